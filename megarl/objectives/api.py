@@ -1,0 +1,76 @@
+"""The contract between the learner and every objective.
+
+An objective is called once per micro-batch on the last pipeline stage::
+
+    out = objective(logits, batch, ctx)      # logits: [T, V/tp], aligned to batch.tokens
+    out.loss.backward()
+
+``out.loss`` is this micro-batch's *contribution* to the global loss: summing it over all
+micro-batches on all data-parallel ranks gives exactly the loss of the whole global batch. This is
+what the global normalisers in ``ctx`` are for (token counts and sequence counts of the *global*
+batch, computed once before micro-batching). So data-parallel gradient reduction must SUM, not
+average (or the caller multiplies by the DP size after an averaging reduction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megarl.batch import PackedBatch, segment_sum
+
+
+@dataclass(frozen=True)
+class GlobalNormalisers:
+    """Denominators of the global batch (all micro-batches, all DP ranks).
+
+    num_tokens: loss tokens in the global batch (token-mean).
+    num_seqs: sequences with at least one loss token (seq-mean-*).
+    max_response_len: the constant of seq-mean-token-sum-norm (Dr.GRPO); 0 = use the global max.
+    """
+
+    num_tokens: float
+    num_seqs: float
+    max_response_len: float = 0.0
+
+    @staticmethod
+    def from_batch(batch: PackedBatch, dp_group: Optional[dist.ProcessGroup] = None,
+                   max_response_len: float = 0.0) -> "GlobalNormalisers":
+        """Count over this rank's whole (pre-split) batch, summed over ``dp_group`` when given."""
+        ntok = segment_sum(batch.loss_mask.double(), batch.cu_seqlens)
+        stats = torch.tensor([float(ntok.sum()), float((ntok > 0).sum()), float(ntok.max())],
+                             dtype=torch.float64)
+        if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(stats[:2], group=dp_group)
+            dist.all_reduce(stats[2:], op=dist.ReduceOp.MAX, group=dp_group)
+        return GlobalNormalisers(num_tokens=float(stats[0]), num_seqs=float(stats[1]),
+                                 max_response_len=float(max_response_len or stats[2]))
+
+
+@dataclass
+class LossContext:
+    """What an objective needs besides logits and batch: groups and global normalisers."""
+
+    normalisers: GlobalNormalisers
+    tp_group: Optional[dist.ProcessGroup] = None  # vocab-parallel group of the logits; None = TP 1
+    chunk_tokens: int = 4096  # token chunk of the vocab-parallel ops (bounds the fp32 copy)
+    step: int = 0  # optimizer step (for schedules inside objectives)
+
+
+@dataclass
+class LossOutput:
+    """``loss``: scalar contribution of this micro-batch. ``metrics``: detached scalars that are
+    already globally normalised the same way, so summing them over micro-batches and ranks gives
+    the global value."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Objective(Protocol):
+    """Anything callable as ``objective(logits [T, V/tp], batch, ctx) -> LossOutput``."""
+
+    def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput: ...
