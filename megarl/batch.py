@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from megarl.ops.segments import segment_sum, token_to_seq
+
 # Per-token float fields that travel with the batch. ``loss_mask`` is always present.
 TOKEN_FIELDS: tuple[str, ...] = (
     "rollout_logprobs",
@@ -87,7 +89,7 @@ class PackedBatch:
 
     def seq_index(self) -> torch.Tensor:
         """[T] index of the sequence each token belongs to."""
-        return torch.repeat_interleave(torch.arange(self.num_seqs), self.seq_lens)
+        return token_to_seq(self.cu_seqlens)
 
     def response_lens(self) -> torch.Tensor:
         """[B] number of loss tokens per sequence."""
@@ -209,15 +211,6 @@ def from_sequences(prompts: list[list[int]], responses: list[list[int]], group_i
                        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
                        loss_mask=torch.tensor(mask), group_ids=torch.as_tensor(group_ids, dtype=torch.long),
                        **conv).validate()
-
-
-# --------------------------------------------------------------------------------- segment helpers
-def segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Per-sequence sums of a packed tensor: x [T, ...] -> [B, ...]."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    idx = torch.repeat_interleave(torch.arange(lens.numel(), device=x.device), lens.to(x.device))
-    out = torch.zeros((lens.numel(),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out.index_add(0, idx, x)
 
 
 # --------------------------------------------------------------------------------- validation

@@ -1,0 +1,1 @@
+"""Numerics on sharded data: vocab-parallel logits and packed sequences."""
