@@ -1,0 +1,1 @@
+"""HF <-> Megatron weight conversion (names, TP/EP sharding, bounded buckets)."""

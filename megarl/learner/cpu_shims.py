@@ -1,0 +1,204 @@
+"""CPU shims that let megatron-core 0.16.1 run real TP/PP/EP/SP steps on CPU with gloo.
+
+This is the ONE place where megarl patches megatron-core or ``torch.cuda`` behaviour. It is applied
+by ``apply_cpu_shims()`` only when the learner runs without a CUDA device; GPU code paths never
+import this module (tests/learner/test_cpu_shims.py checks that in a subprocess).
+
+Shims (numbering follows /work/shared/notes/megatron-core-on-cpu.md):
+
+- P1 ``torch.cuda.current_device()`` returns the CPU device (RoPE and others allocate on it).
+- P2 CUDA RNG get/set/seed (torch.cuda and megatron's tensor_parallel.random helpers) use the CPU RNG.
+- P4 ``WrappedTorchNorm`` refuses ``sequence_parallel``; we build it with the flag off and mark its
+  parameters ``sequence_parallel`` so their grads get all-reduced over the TP group.
+- P5 ``torch.cuda.Stream/current_stream/stream/Event`` become harmless stand-ins.
+- P6 ``moe_utils.te_general_gemm`` is only defined when TE imports; define it as ``None``.
+- P7 ``maybe_move_tensor_to_cpu(as_numpy=True)`` only converts CUDA tensors; convert CPU ones too.
+- P8 ``device='cuda'`` arguments map to CPU and ``Tensor.cuda()`` is a no-op (a global
+  ``TorchFunctionMode``), for schedules, grad buffers, optimizer and clip_grads.
+- P9 ``Tensor.type()`` of a CPU float tensor reads as ``torch.cuda.*Tensor`` for the optimizer's asserts.
+  Only while the P8 mode is active, and only for the string form (``t.type()`` with no argument).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+_MODE: "_CudaToCpuMode | None" = None
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """P8/P9: every torch call that names a CUDA device is sent to the CPU instead."""
+
+    _CPU_TO_CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                         "torch.HalfTensor": "torch.cuda.HalfTensor",
+                         "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return self._CPU_TO_CUDA_TYPE.get(name, name)
+        dev = kwargs.get("device")
+        if dev is not None and (_is_cuda_device(dev) or isinstance(dev, int)):
+            kwargs = dict(kwargs, device=_CPU)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _FakeStream:
+    """P5: a stream that does nothing (CPU work is synchronous)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return event or _FakeEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _FakeEvent:
+    """P5: an event that is always complete."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cpu_get_rng_state(device: Any = "cuda", *args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _patch_torch_cuda() -> None:
+    tc = torch.cuda
+    tc.current_device = lambda: _CPU  # P1
+    tc.get_rng_state = _cpu_get_rng_state  # P2
+    tc.set_rng_state = _cpu_set_rng_state
+    tc.random.get_rng_state = _cpu_get_rng_state
+    tc.random.set_rng_state = _cpu_set_rng_state
+    tc.manual_seed = _cpu_manual_seed
+    tc.manual_seed_all = _cpu_manual_seed
+    tc.Stream = _FakeStream  # P5
+    tc.Event = _FakeEvent
+    tc.current_stream = lambda *a, **k: _FakeStream()
+    tc.default_stream = lambda *a, **k: _FakeStream()
+    tc.stream = lambda *a, **k: contextlib.nullcontext()
+    tc.synchronize = lambda *a, **k: None
+    tc.empty_cache = lambda *a, **k: None
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # P2
+    mrandom._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
+    # The tracker warns when the CPU RNG changes inside a "CUDA" fork: with P2 that is by design.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # P6
+
+    original_move = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):  # P7
+        out = original_move(tensor, as_numpy=as_numpy, record_stream=False)
+        if as_numpy and torch.is_tensor(out):
+            out = out.numpy()
+        return out
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def wrapped_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                         zero_centered_gamma=False, normalization="LayerNorm"):  # P4
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, persist_layer_norm,
+                                zero_centered_gamma, normalization)
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, persist_layer_norm,
+                                zero_centered_gamma, normalization)
+        finally:
+            config.sequence_parallel = True
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", True)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(wrapped_norm_new)
+
+
+def apply_cpu_shims() -> None:
+    """Apply P1..P9 once per process. Refuses to run when a CUDA device is available."""
+    global _APPLIED, _MODE
+    if _APPLIED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("megarl.learner.cpu_shims must not be applied when a CUDA device is available")
+    _patch_torch_cuda()
+    _patch_megatron()
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()  # kept active for the life of the process
+    _APPLIED = True
+
+
+def shims_applied() -> bool:
+    """Whether ``apply_cpu_shims`` ran in this process."""
+    return _APPLIED

@@ -1,0 +1,135 @@
+"""Packed-sequence forward of a megatron-core GPTModel, and the shift to the batch's alignment.
+
+CPU path (local spec): the T packed tokens run as one ``[1, T]`` row with a block-diagonal causal
+attention mask and per-sequence RoPE positions, which gives the same numbers as running each
+sequence on its own (tests/learner: packed vs one-at-a-time). The local attention has no THD
+kernel, so attention costs O(T^2) here instead of O(sum L_i^2); fine for CPU-sized batches.
+GPU path (TE spec): megatron's THD packed-sequence path (``PackedSeqParams`` from cu_seqlens).
+
+Alignment: the model's logits at position t predict token t+1. megarl's convention
+(megarl/batch.py) wants ``logits[t]`` to score ``tokens[t]``, so ``align_logits`` shifts by one
+within each sequence; the first token of each sequence gets zero logits (it is never in the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megarl.learner.model import uses_te_spec
+
+
+@dataclass
+class PackedInputs:
+    """Model inputs of one micro-batch, padded to ``T_pad`` (a multiple of ``pad_multiple``)."""
+
+    input_ids: torch.Tensor  # [1, T_pad]
+    position_ids: torch.Tensor  # [1, T_pad] position inside each sequence
+    attention_mask: Optional[torch.Tensor]  # [1, 1, T_pad, T_pad] bool, True = masked (CPU path)
+    packed_seq_params: Optional[object]  # megatron PackedSeqParams (GPU/TE path)
+    padding_mask: Optional[torch.Tensor]  # [1, T_pad] bool, True = padding (excluded from MoE routing)
+    num_tokens: int  # T (real tokens)
+
+
+def packed_inputs(tokens: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device,
+                  pad_multiple: int = 1) -> PackedInputs:
+    """Build model inputs for packed ``tokens: [T]`` with boundaries ``cu_seqlens: [B+1]``.
+
+    Padding (for sequence parallelism, T_pad % tp == 0) is its own trailing sequence of token 0,
+    excluded from MoE routing statistics by ``padding_mask``; its logits are dropped.
+    """
+    T = int(tokens.numel())
+    T_pad = -(-T // pad_multiple) * pad_multiple
+    cu = cu_seqlens.to(torch.long).cpu()
+    if T_pad > T:
+        cu = torch.cat([cu, torch.tensor([T_pad])])
+        tokens = torch.cat([tokens, tokens.new_zeros(T_pad - T)])
+    lens = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lens)
+    pos = torch.arange(T_pad) - starts
+    padding = torch.zeros(1, T_pad, dtype=torch.bool)
+    padding[0, T:] = True
+    if uses_te_spec():
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu32 = cu.to(torch.int32).to(device)
+        maxlen = int(lens.max())
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
+                              max_seqlen_q=maxlen, max_seqlen_kv=maxlen)
+        mask = None
+    else:
+        seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+        allowed = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+        mask = (~allowed)[None, None].to(device)
+        psp = None
+    return PackedInputs(input_ids=tokens.view(1, -1).to(device), position_ids=pos.view(1, -1).to(device),
+                        attention_mask=mask, packed_seq_params=psp, padding_mask=padding.to(device),
+                        num_tokens=T)
+
+
+class _PackedRope:
+    """Replaces a RotaryEmbedding's forward: RoPE angles at per-sequence positions (CPU path)."""
+
+    def __init__(self, rope: torch.nn.Module):
+        self.rope = rope
+        self.original_forward = rope.forward
+        self.positions: Optional[torch.Tensor] = None
+
+    def __call__(self, max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+        if self.positions is None:
+            return self.original_forward(max_seq_len, *args, **kwargs)
+        if int(self.positions.numel()) != int(max_seq_len):
+            raise RuntimeError(f"packed RoPE: {self.positions.numel()} positions for a sequence of {max_seq_len}")
+        emb = self.rope.get_emb(int(self.positions.max()) + 1)  # [P, 1, 1, dim]
+        return emb[self.positions]  # [T, 1, 1, dim]
+
+
+def _packed_rope(model: torch.nn.Module) -> Optional[_PackedRope]:
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None:
+        return None
+    hook = getattr(model, "_megarl_packed_rope", None)
+    if hook is None:
+        hook = _PackedRope(rope)
+        rope.forward = hook
+        model._megarl_packed_rope = hook
+    return hook
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def run_model(model: torch.nn.Module, inputs: PackedInputs) -> torch.Tensor:
+    """One stage's forward on packed inputs. Last stage: logits ``[T_pad, V/tp]`` (next-token,
+    unaligned); other stages: hidden states for the next stage."""
+    inner = unwrap(model)
+    hook = _packed_rope(inner) if inputs.packed_seq_params is None else None
+    if hook is not None:
+        hook.positions = inputs.position_ids[0]
+    try:
+        out = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask,
+                    packed_seq_params=inputs.packed_seq_params, padding_mask=inputs.padding_mask)
+    finally:
+        if hook is not None:
+            hook.positions = None
+    if inner.post_process:
+        return out[0]  # [1, T_pad, V/tp] -> [T_pad, V/tp]
+    return out
+
+
+def align_logits(logits: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Next-token logits ``[T(_pad), V/tp]`` -> aligned ``[T, V/tp]``: out[t] scores tokens[t].
+
+    out[t] = logits[t-1] inside a sequence; out[first token of a sequence] = 0 (never in the loss).
+    """
+    T = int(cu_seqlens[-1])
+    shifted = torch.roll(logits[:T], shifts=1, dims=0)
+    keep = torch.ones(T, 1, dtype=logits.dtype, device=logits.device)
+    keep[cu_seqlens[:-1].to(logits.device)] = 0
+    return shifted * keep

@@ -1,0 +1,226 @@
+"""Model provider: a megatron-core ``GPTModel`` from a Hugging Face config (Qwen3, Qwen3-MoE, Llama).
+
+On CPU: local layer spec (torch RMSNorm, megatron's DotProductAttention), ``SequentialMLP`` experts,
+fp32, every fusion off. With Transformer Engine and CUDA: the TE layer spec and grouped GEMM experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megarl.learner.parallel import ParallelGroups, use_cuda
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "qwen2")
+
+
+class HFConfigError(ValueError):
+    """The Hugging Face config is missing a key or uses a feature the provider does not support."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the provider and the converter need to know about the architecture (global shapes)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    norm_eps: float
+    rope_theta: float
+    qk_layernorm: bool
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    num_experts: int = 0  # 0 = dense
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_aux_loss_coeff: float = 0.0
+    moe_layers: tuple[int, ...] = ()  # global indices of MoE layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def load_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
+    """A HF config as a dict, from a dict, a config.json path or a model directory."""
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict)
+    p = os.fspath(path_or_dict)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    with open(p) as f:
+        return json.load(f)
+
+
+def _need(cfg: dict, key: str, where: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise HFConfigError(f"{where}: HF config has no '{key}'")
+    return cfg[key]
+
+
+def model_spec_from_hf(hf: dict) -> ModelSpec:
+    """Read the architecture out of a HF config dict; raise ``HFConfigError`` naming bad keys."""
+    mt = _need(hf, "model_type", "config")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise HFConfigError(f"config: model_type '{mt}' is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+    where = f"config ({mt})"
+    H = int(_need(hf, "hidden_size", where))
+    nh = int(_need(hf, "num_attention_heads", where))
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise HFConfigError(f"{where}: rope_type '{rope.get('rope_type')}' is not supported (only 'default')")
+    if hf.get("rope_scaling"):
+        raise HFConfigError(f"{where}: 'rope_scaling' is not supported")
+    if hf.get("use_sliding_window"):
+        raise HFConfigError(f"{where}: 'use_sliding_window' is not supported")
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0) if mt == "qwen3_moe" else 0
+    L = int(_need(hf, "num_hidden_layers", where))
+    moe_layers: tuple[int, ...] = ()
+    if num_experts:
+        step = int(hf.get("decoder_sparse_step", 1))
+        only_mlp = set(hf.get("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(L) if i not in only_mlp and (i + 1) % step == 0)
+    return ModelSpec(
+        model_type=mt, vocab_size=int(_need(hf, "vocab_size", where)), hidden_size=H, num_layers=L,
+        num_heads=nh, num_kv_heads=int(hf.get("num_key_value_heads") or nh),
+        head_dim=int(hf.get("head_dim") or H // nh),
+        ffn_hidden_size=int(_need(hf, "intermediate_size", where)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+        qk_layernorm=mt.startswith("qwen3"),
+        qkv_bias=bool(hf.get("attention_bias", mt == "qwen2")),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        num_experts=num_experts,
+        moe_topk=int(_need(hf, "num_experts_per_tok", where)) if num_experts else 0,
+        moe_ffn_hidden_size=int(_need(hf, "moe_intermediate_size", where)) if num_experts else 0,
+        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)) if num_experts else 0.0,
+        moe_layers=moe_layers,
+    )
+
+
+def transformer_config_from_spec(spec: ModelSpec, groups: ParallelGroups, *,
+                                 params_dtype: torch.dtype = torch.float32,
+                                 moe_aux_loss_coeff: Optional[float] = None,
+                                 perform_initialization: bool = True,
+                                 init_method_std: float = 0.02):
+    """megatron-core ``TransformerConfig`` for ``spec`` under ``groups.layout``.
+
+    fp32 on CPU; bf16 only when asked on CUDA. Dropout 0 (RL post-training default).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    lay = groups.layout
+    if spec.vocab_size % lay.tp:
+        raise HFConfigError(f"vocab_size {spec.vocab_size} is not divisible by tp={lay.tp}")
+    if spec.num_kv_heads % lay.tp or spec.num_heads % lay.tp:
+        raise HFConfigError(f"num_attention_heads {spec.num_heads} and num_key_value_heads "
+                            f"{spec.num_kv_heads} must be divisible by tp={lay.tp}")
+    if spec.num_layers % lay.pp:
+        raise HFConfigError(f"num_hidden_layers {spec.num_layers} is not divisible by pp={lay.pp}")
+    if spec.is_moe and spec.num_experts % lay.ep:
+        raise HFConfigError(f"num_experts {spec.num_experts} is not divisible by ep={lay.ep}")
+    on_gpu = use_cuda()
+    kw: dict[str, Any] = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.expert_tp,
+        context_parallel_size=lay.cp, sequence_parallel=lay.sequence_parallel,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype, init_method_std=init_method_std,
+        use_cpu_initialization=not on_gpu, perform_initialization=perform_initialization,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        attention_softmax_in_fp32=True, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+    )
+    if spec.is_moe:
+        if len(spec.moe_layers) != spec.num_layers:
+            kw["moe_layer_freq"] = [1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)]
+        kw.update(
+            num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            # norm_topk_prob: softmax over the top-k logits == top-k of softmax, renormalised.
+            moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=spec.moe_aux_loss_coeff if moe_aux_loss_coeff is None else moe_aux_loss_coeff,
+            moe_grouped_gemm=on_gpu, moe_permute_fusion=False,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(**kw)
+
+
+def layer_spec(config, spec: ModelSpec):
+    """Local spec on CPU (or without TE), Transformer Engine spec on CUDA with TE installed."""
+    from megatron.core.models.gpt import gpt_layer_specs as gls
+
+    te = False
+    if use_cuda():
+        try:
+            import transformer_engine  # noqa: F401
+
+            te = True
+        except ImportError:
+            te = False
+    n_exp = spec.num_experts or None
+    if te:
+        return gls.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=n_exp, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_layernorm)
+    return gls.get_gpt_layer_local_spec(
+        num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+
+
+def uses_te_spec() -> bool:
+    """Whether ``layer_spec`` picks the Transformer Engine spec in this process."""
+    if not use_cuda():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_gpt_model(hf_config: dict | str | os.PathLike, groups: ParallelGroups, *,
+                    params_dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: Optional[float] = None,
+                    perform_initialization: bool = True):
+    """Build this rank's pipeline stage of the model (a ``GPTModel``) under ``groups``.
+
+    Logits come out vocab-parallel (``parallel_output=True``): ``[B, S, V/tp]``.
+    Returns the model; its ``megarl_spec`` attribute holds the ``ModelSpec``.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    spec = model_spec_from_hf(load_hf_config(hf_config))
+    config = transformer_config_from_spec(spec, groups, params_dtype=params_dtype,
+                                          moe_aux_loss_coeff=moe_aux_loss_coeff,
+                                          perform_initialization=perform_initialization)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(config, spec), vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings, pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage, parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=int(spec.rope_theta)
+        if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        pg_collection=groups.pg_collection)
+    model.to(groups.device)
+    model.megarl_spec = spec
+    return model

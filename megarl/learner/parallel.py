@@ -1,0 +1,160 @@
+"""Parallel layout (TP, PP, EP, SP, CP; DP from the remaining ranks) and its process groups.
+
+megatron-core keeps its groups in ``parallel_state`` globals, and parts of it (schedules, DDP,
+optimizer) read them from there. megarl code never does: ``initialize_parallel`` returns the groups
+in a ``ParallelGroups`` value that is passed explicitly to the model, the logprob pass, the step and
+the converters.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the world is split. ``dp`` is derived: world_size / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    expert_tp: int = 1  # tensor parallelism inside experts (1 = experts are not TP-sharded)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size for ``world_size`` ranks; raises if the layout does not divide the world."""
+        mp = self.tp * self.pp * self.cp
+        if world_size % mp:
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp={mp} ({self})")
+        dp = world_size // mp
+        if (dp * self.cp * self.tp) % (self.ep * self.expert_tp):
+            raise ValueError(f"ep*expert_tp={self.ep * self.expert_tp} must divide dp*cp*tp="
+                             f"{dp * self.cp * self.tp} ({self})")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+        return dp
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups of one layout, and this rank's coordinates in them."""
+
+    layout: ParallelLayout
+    world_size: int
+    rank: int
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp: dist.ProcessGroup  # data parallel (without CP)
+    dp_cp: dist.ProcessGroup  # data + context parallel: dense-parameter gradient reduction
+    expt_dp: dist.ProcessGroup  # expert data parallel: expert-parameter gradient reduction
+    mp: dist.ProcessGroup  # tensor + pipeline (model parallel)
+    pg_collection: object  # megatron's ProcessGroupCollection, for megatron-core constructors
+    device: torch.device
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp)
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp)
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.ep)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp)
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.dp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+
+def use_cuda() -> bool:
+    """Whether the learner runs on CUDA (a device is present and MEGARL_FORCE_CPU is unset)."""
+    return torch.cuda.is_available() and os.environ.get("MEGARL_FORCE_CPU", "0") != "1"
+
+
+def init_distributed(timeout_s: float = 120.0) -> None:
+    """Start the default process group from torchrun's environment (gloo on CPU, nccl on CUDA);
+    outside torchrun, a world of one process."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if use_cuda() else "gloo"
+    if "RANK" not in os.environ:  # a single process outside torchrun
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    if use_cuda():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGroups:
+    """Create the groups of ``layout`` over the default process group (re-creating them if a
+    previous layout is active), seed megatron's RNG tracker, and return the groups.
+
+    On CPU this first applies the megatron-core CPU shims (megarl.learner.cpu_shims).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not use_cuda():
+        from megarl.learner.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    init_distributed()
+    world = dist.get_world_size()
+    layout.data_parallel_size(world)  # validates
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        create_gloo_process_groups=use_cuda(),  # on CPU the default group is gloo already
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
+    return ParallelGroups(
+        layout=layout, world_size=world, rank=dist.get_rank(),
+        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(), cp=ps.get_context_parallel_group(),
+        dp=ps.get_data_parallel_group(), dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+        expt_dp=ps.get_expert_data_parallel_group(), mp=ps.get_model_parallel_group(),
+        pg_collection=pgc, device=device)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups (the default process group stays)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
