@@ -15,12 +15,14 @@ average (or the caller multiplies by the DP size after an averaging reduction).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megarl.batch import PackedBatch, segment_sum
+from megarl.batch import PackedBatch
+from megarl.ops import comm
+from megarl.ops.segments import segment_sum
 
 
 @dataclass(frozen=True)
@@ -37,15 +39,16 @@ class GlobalNormalisers:
     max_response_len: float = 0.0
 
     @staticmethod
-    def from_batch(batch: PackedBatch, dp_group: Optional[dist.ProcessGroup] = None,
+    def from_batch(batch: PackedBatch, dp_group: Any = None,
                    max_response_len: float = 0.0) -> "GlobalNormalisers":
         """Count over this rank's whole (pre-split) batch, summed over ``dp_group`` when given."""
         ntok = segment_sum(batch.loss_mask.double(), batch.cu_seqlens)
         stats = torch.tensor([float(ntok.sum()), float((ntok > 0).sum()), float(ntok.max())],
                              dtype=torch.float64)
-        if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(stats[:2], group=dp_group)
-            dist.all_reduce(stats[2:], op=dist.ReduceOp.MAX, group=dp_group)
+        counts, longest = stats[:2].clone(), stats[2:].clone()
+        comm.all_reduce(counts, "sum", dp_group)
+        comm.all_reduce(longest, "max", dp_group)
+        stats = torch.cat([counts, longest])
         return GlobalNormalisers(num_tokens=float(stats[0]), num_seqs=float(stats[1]),
                                  max_response_len=float(max_response_len or stats[2]))
 
@@ -58,6 +61,7 @@ class LossContext:
     tp_group: Optional[dist.ProcessGroup] = None  # vocab-parallel group of the logits; None = TP 1
     chunk_tokens: int = 4096  # token chunk of the vocab-parallel ops (bounds the fp32 copy)
     step: int = 0  # optimizer step (for schedules inside objectives)
+    teacher_logits: Optional[torch.Tensor] = None  # [T, V/tp], same sharding, for full-vocab distillation
 
 
 @dataclass

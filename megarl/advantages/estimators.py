@@ -1,0 +1,158 @@
+"""Critic-free and GAE advantage estimators, vectorised over packed sequences."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.batch import PackedBatch
+from megarl.ops.segments import broadcast_to_tokens, group_leave_one_out_mean, group_mean, group_std
+from megarl.registry import Registry
+
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage_estimator")
+
+
+def _scalar_rewards(batch: PackedBatch) -> torch.Tensor:
+    if batch.rewards is None:
+        raise ValueError("advantage estimation needs the batch field 'rewards'")
+    if batch.rewards.dim() != 1:
+        raise ValueError(f"field 'rewards' has shape {tuple(batch.rewards.shape)}: aggregate reward vectors to "
+                         "one scalar per sequence before a scalar advantage estimator")
+    return batch.rewards.double()
+
+
+def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """(R - mean_g R) / (std_g R + eps), std unbiased; [B] -> [B]."""
+    adv = rewards - group_mean(rewards, group_ids)
+    return adv / (group_std(rewards, group_ids) + eps) if scale_by_std else adv
+
+
+def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """R - mean_g R; [B] -> [B]."""
+    return grpo(rewards, group_ids, scale_by_std=False)
+
+
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """R - mean of the other members of the group (0 for a group of one); [B] -> [B]."""
+    return rewards - group_leave_one_out_mean(rewards, group_ids)
+
+
+def _compact(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor):
+    """Gather the masked-in tokens of each sequence left-aligned into [B, N] (N = max count)."""
+    B = cu_seqlens.numel() - 1
+    seq = torch.repeat_interleave(torch.arange(B), cu_seqlens[1:] - cu_seqlens[:-1])
+    keep = mask.bool()
+    tok = keep.nonzero().flatten()
+    s = seq[tok]
+    counts = torch.bincount(s, minlength=B)
+    N = int(counts.max()) if counts.numel() and tok.numel() else 0
+    starts = torch.cumsum(counts, 0) - counts
+    col = torch.arange(tok.numel()) - starts[s]
+    return tok, s, col, counts, N
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
+        gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over the masked-in tokens of each sequence (reverse scan, vectorised over sequences).
+
+    token_rewards, values, mask: [T] -> (advantages [T], returns [T]), 0 off the mask.
+    """
+    tok, s, col, counts, N = _compact(token_rewards, mask, cu_seqlens)
+    B = counts.numel()
+    r = torch.zeros(B, N + 1, dtype=values.dtype)
+    v = torch.zeros(B, N + 1, dtype=values.dtype)
+    r[s, col] = token_rewards[tok].to(values.dtype)
+    v[s, col] = values[tok]
+    a = torch.zeros(B, N + 1, dtype=values.dtype)
+    for t in range(N - 1, -1, -1):
+        valid = (t < counts).to(values.dtype)
+        delta = r[:, t] + gamma * v[:, t + 1] - v[:, t]
+        a[:, t] = (delta + gamma * lam * a[:, t + 1]) * valid
+    adv = torch.zeros_like(values)
+    adv[tok] = a[s, col]
+    return adv, (adv + values) * mask.to(values.dtype)
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    v = x[mask.bool()]
+    std = v.std(unbiased=True) if v.numel() > 1 else torch.zeros((), dtype=x.dtype)
+    return (x - v.mean()) / (std + eps) * mask.to(x.dtype)
+
+
+def _last_token_rewards(batch: PackedBatch, rewards: torch.Tensor) -> torch.Tensor:
+    """[T] with R_b on the last loss token of sequence b."""
+    tok, s, col, counts, _ = _compact(batch.loss_mask, batch.loss_mask, batch.cu_seqlens)
+    out = torch.zeros(batch.num_tokens, dtype=rewards.dtype)
+    last = col == (counts[s] - 1)
+    out[tok[last]] = rewards[s[last]]
+    return out
+
+
+def reinforce_pp(batch: PackedBatch, kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+                 gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++: whitened discounted return of (outcome reward at the last token - β·kl); [T]."""
+    m = batch.loss_mask.double()
+    r = _last_token_rewards(batch, _scalar_rewards(batch))
+    if kl is not None:
+        r = r - kl_coef * kl.double() * m
+    ret, _ = gae(r, torch.zeros_like(m), m, batch.cu_seqlens, gamma=gamma, lam=1.0)
+    return _whiten(ret, m)
+
+
+def reinforce_pp_baseline(batch: PackedBatch) -> torch.Tensor:
+    """REINFORCE++-baseline: (R - group mean) on every loss token, whitened over the batch; [T]."""
+    m = batch.loss_mask.double()
+    adv = broadcast_to_tokens(dr_grpo(_scalar_rewards(batch), batch.group_ids), batch.cu_seqlens)
+    return _whiten(adv * m, m)
+
+
+def _per_token(batch: PackedBatch, per_seq: torch.Tensor) -> torch.Tensor:
+    return broadcast_to_tokens(per_seq, batch.cu_seqlens) * batch.loss_mask.double()
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo(batch: PackedBatch, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    return _per_token(batch, grpo(_scalar_rewards(batch), batch.group_ids, scale_by_std, eps))
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def _dr_grpo(batch: PackedBatch) -> torch.Tensor:
+    return _per_token(batch, dr_grpo(_scalar_rewards(batch), batch.group_ids))
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def _rloo(batch: PackedBatch) -> torch.Tensor:
+    return _per_token(batch, rloo(_scalar_rewards(batch), batch.group_ids))
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def _reinforce_pp(batch: PackedBatch, kl_coef: float = 0.0, gamma: float = 1.0) -> torch.Tensor:
+    kl = None
+    if kl_coef and batch.ref_logprobs is not None and batch.old_logprobs is not None:
+        kl = batch.old_logprobs.double() - batch.ref_logprobs.double()
+    return reinforce_pp(batch, kl, kl_coef, gamma)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def _reinforce_pp_baseline(batch: PackedBatch) -> torch.Tensor:
+    return reinforce_pp_baseline(batch)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def _gae(batch: PackedBatch, gamma: float = 1.0, lam: float = 0.95) -> torch.Tensor:
+    if batch.values is None:
+        raise ValueError("advantage_estimator=gae needs the batch field 'values'")
+    r = batch.token_rewards
+    if r is None:
+        r = _last_token_rewards(batch, _scalar_rewards(batch))
+    adv, ret = gae(r.double(), batch.values.double(), batch.loss_mask.double(), batch.cu_seqlens, gamma, lam)
+    batch.returns = ret.to(batch.values.dtype)
+    return adv
+
+
+def compute_advantages(batch: PackedBatch, estimator: str, **knobs) -> torch.Tensor:
+    """Fill ``batch.advantages`` (float32 [T]) with the named estimator and return it."""
+    adv = ADVANTAGE_ESTIMATORS.get(estimator)(batch, **knobs)
+    batch.advantages = adv.to(torch.float32)
+    return batch.advantages

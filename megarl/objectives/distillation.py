@@ -1,0 +1,44 @@
+"""On-policy distillation terms (formulas: reference/distillation.py), registered by name.
+
+``fn(logits [T, V/tp], logp [T], old_logp [T], batch, ctx) -> per-token loss [T]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.ops.vocab_parallel import vocab_parallel_kl
+from megarl.registry import Registry
+
+DISTILLATION: Registry = Registry("distill")
+
+
+@DISTILLATION.register("none")
+def none(logits, logp, old_logp, batch, ctx):
+    return torch.zeros_like(logp)
+
+
+@DISTILLATION.register("sampled_reverse_kl")
+def sampled_reverse_kl(logits, logp, old_logp, batch, ctx):
+    """-sg(teacher_logp - old_logp) · exp(logp - sg(old_logp)); needs batch.teacher_logprobs."""
+    if batch.teacher_logprobs is None:
+        raise ValueError("distill=sampled_reverse_kl needs the batch field 'teacher_logprobs'")
+    return -(batch.teacher_logprobs - old_logp).detach() * torch.exp(logp - old_logp.detach())
+
+
+def _teacher(ctx):
+    if ctx.teacher_logits is None:
+        raise ValueError("full-vocabulary distillation needs LossContext.teacher_logits [T, V/tp]")
+    return ctx.teacher_logits.detach()
+
+
+@DISTILLATION.register("forward_kl")
+def forward_kl(logits, logp, old_logp, batch, ctx):
+    """KL(teacher || student) per token over the full vocabulary."""
+    return vocab_parallel_kl(_teacher(ctx), logits, ctx.tp_group, ctx.chunk_tokens)
+
+
+@DISTILLATION.register("reverse_kl")
+def reverse_kl(logits, logp, old_logp, batch, ctx):
+    """KL(student || teacher) per token over the full vocabulary."""
+    return vocab_parallel_kl(logits, _teacher(ctx), ctx.tp_group, ctx.chunk_tokens)

@@ -1,0 +1,136 @@
+"""The composed RL objective: policy loss x correction + KL + entropy bonus + distillation.
+
+    logp, H = vocab-parallel logprobs/entropy of logits [T, V/tp]
+    L = agg(pg · c) + β_kl agg(kl) - β_H agg(H) + β_d agg(distill)
+Equal, by the property tests, to reference/loss.py:rl_loss on the padded batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megarl.batch import PackedBatch
+from megarl.objectives.aggregation import MODES, aggregate
+from megarl.objectives.api import LossContext, LossOutput
+from megarl.objectives.corrections import CORRECTIONS
+from megarl.objectives.distillation import DISTILLATION
+from megarl.objectives.kl import KL_ESTIMATORS
+from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
+
+
+@dataclass
+class ObjectiveConfig:
+    """Knobs of the composed objective (names are registry keys)."""
+
+    policy_loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: Optional[float] = None
+    aggregation: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    correction: str = "none"
+    correction_low: float = 0.5
+    correction_high: float = 2.0
+    distill: str = "none"
+    distill_coef: float = 0.0
+
+    def validate(self) -> "ObjectiveConfig":
+        """Fail early with the offending key and the allowed values."""
+        for key, reg in (("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
+                         ("correction", CORRECTIONS), ("distill", DISTILLATION)):
+            if getattr(self, key) not in reg:
+                raise ValueError(f"objective.{key}={getattr(self, key)!r}; allowed: {', '.join(reg.names())}")
+        if self.aggregation not in MODES:
+            raise ValueError(f"objective.aggregation={self.aggregation!r}; allowed: {', '.join(MODES)}")
+        return self
+
+
+class RLObjective:
+    """``objective(logits [T, V/tp], batch, ctx) -> LossOutput``; see megarl/objectives/api.py."""
+
+    def __init__(self, cfg: ObjectiveConfig):
+        self.cfg = cfg.validate()
+
+    def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput:
+        cfg, norm = self.cfg, ctx.normalisers
+        want_entropy = True  # entropy is a metric in every run; it costs one extra row in the reduction
+        logp, ent = vocab_parallel_logprobs_entropy(logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens,
+                                                    with_entropy=want_entropy)
+        mask, cu = batch.loss_mask.to(logp.dtype), batch.cu_seqlens
+        old = _first_present(batch.old_logprobs, batch.rollout_logprobs)
+        old = logp.detach() if old is None else old.to(logp.dtype)
+        adv = batch.advantages
+        if adv is None:
+            if cfg.policy_loss != "none":
+                raise ValueError(f"policy_loss={cfg.policy_loss!r} needs the batch field 'advantages'")
+            adv = torch.zeros_like(logp)
+        adv = adv.to(logp.dtype)
+
+        def agg(x: torch.Tensor) -> torch.Tensor:
+            return aggregate(x, mask, cu, cfg.aggregation, norm)
+
+        pg = POLICY_LOSSES.get(cfg.policy_loss)(logp, old, adv, mask, cu, cfg.clip_low, cfg.clip_high,
+                                                cfg.dual_clip)
+        metrics: dict[str, torch.Tensor] = {}
+        if cfg.correction != "none":
+            if batch.rollout_logprobs is None or batch.old_logprobs is None:
+                raise ValueError(f"correction={cfg.correction!r} needs 'old_logprobs' and 'rollout_logprobs'")
+            c = CORRECTIONS.get(cfg.correction)(batch.old_logprobs.to(logp.dtype),
+                                               batch.rollout_logprobs.to(logp.dtype), mask, cu,
+                                               cfg.correction_low, cfg.correction_high)
+            pg = pg * c
+            metrics["correction_zeroed_frac"] = _token_mean((c == 0).to(logp.dtype), mask, norm)
+        pg_loss = agg(pg)
+        loss = pg_loss
+        metrics["pg_loss"] = pg_loss.detach()
+        if cfg.kl_coef:
+            if batch.ref_logprobs is None:
+                raise ValueError("kl_coef > 0 needs the batch field 'ref_logprobs'")
+            kl = agg(KL_ESTIMATORS.get(cfg.kl_estimator)(logp, batch.ref_logprobs.to(logp.dtype)))
+            loss = loss + cfg.kl_coef * kl
+            metrics["kl"] = kl.detach()
+        ent_agg = agg(ent)
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * ent_agg
+        if cfg.distill != "none":
+            d = agg(DISTILLATION.get(cfg.distill)(logits, logp, old, batch, ctx))
+            loss = loss + cfg.distill_coef * d
+            metrics["distill"] = d.detach()
+        ratio = torch.exp(logp.detach() - old)
+        clipped = (ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)
+        metrics["entropy"] = _token_mean(ent.detach(), mask, norm)
+        metrics["clip_frac"] = _token_mean(clipped.to(logp.dtype), mask, norm)
+        metrics["ratio_mean"] = _token_mean(ratio, mask, norm)
+        if batch.rollout_logprobs is not None:
+            gap = (logp.detach() - batch.rollout_logprobs.to(logp.dtype)).abs()
+            metrics["train_rollout_logprob_gap"] = _token_mean(gap, mask, norm)
+        metrics["loss"] = loss.detach()
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+def _first_present(*xs):
+    for x in xs:
+        if x is not None:
+            return x
+    return None
+
+
+def _token_mean(x: torch.Tensor, mask: torch.Tensor, norm) -> torch.Tensor:
+    return ((x * mask).sum() / max(norm.num_tokens, 1.0)).detach()
+
+
+def build_objective(cfg: ObjectiveConfig | dict) -> RLObjective:
+    """An RLObjective from a config object or a plain dict (unknown keys raise, naming them)."""
+    if isinstance(cfg, dict):
+        known = set(ObjectiveConfig.__dataclass_fields__)
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"unknown objective key(s) {unknown}; allowed: {', '.join(sorted(known))}")
+        cfg = ObjectiveConfig(**cfg)
+    return RLObjective(cfg)

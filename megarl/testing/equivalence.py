@@ -1,0 +1,112 @@
+"""Equivalence harness: run megarl's objective on a packed, TP-sharded, micro-batched, DP-split
+batch and the reference loss on the same batch padded with full logits; return both losses and
+both logits gradients so a test can compare them.
+
+A *case* is plain data (tensors on CPU, no process group), so it can be rebuilt on every rank or
+shipped to worker processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from megarl.batch import PackedBatch, unpack
+from megarl.objectives.api import GlobalNormalisers, LossContext
+from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
+from megarl.testing.simulated_group import SimulatedWorld
+from reference.loss import rl_loss
+
+
+@dataclass
+class Case:
+    """A global batch, its full logits [T, V] (and teacher logits), and an objective config."""
+
+    batch: PackedBatch
+    logits: torch.Tensor  # [T, V]
+    cfg: ObjectiveConfig
+    teacher_logits: Optional[torch.Tensor] = None  # [T, V]
+    extra: dict = field(default_factory=dict)
+
+
+def reference_loss_and_grad(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference loss on the padded batch and d loss / d logits mapped back to packed [T, V]."""
+    b, cfg = case.batch, case.cfg
+    pad = unpack(b)
+    am = pad.attention_mask
+    V = case.logits.shape[-1]
+    full = torch.zeros(am.shape + (V,), dtype=case.logits.dtype)
+    full[am] = case.logits
+    full.requires_grad_(True)
+    teacher = None
+    if case.teacher_logits is not None:
+        teacher = torch.zeros_like(full, requires_grad=False)
+        teacher[am] = case.teacher_logits
+    tok = pad.per_token
+    old = tok.get("old_logprobs", tok.get("rollout_logprobs"))
+    loss = rl_loss(full, pad.tokens, pad.loss_mask, tok["advantages"], old, policy_loss=cfg.policy_loss,
+                   clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                   aggregation_mode=cfg.aggregation, max_len=case.extra.get("max_len"),
+                   kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, ref_logp=tok.get("ref_logprobs"),
+                   entropy_coef=cfg.entropy_coef, correction=cfg.correction,
+                   rollout_logp=tok.get("rollout_logprobs"), corr_low=cfg.correction_low,
+                   corr_high=cfg.correction_high, distill=cfg.distill, distill_coef=cfg.distill_coef,
+                   teacher_logp=tok.get("teacher_logprobs"), teacher_logits=teacher)
+    loss.backward()
+    return loss.detach(), full.grad[am]
+
+
+def split_sequences(num_seqs: int, parts: int) -> list[list[int]]:
+    """Contiguous, near-equal runs of sequence ids (empty runs dropped)."""
+    bounds = torch.linspace(0, num_seqs, parts + 1).round().long().tolist()
+    return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def megarl_loss_and_grad(case: Case, tp: int, dp: int = 1, micro_batches: int = 1,
+                         objective: Optional[Callable] = None,
+                         run_tp: Optional[Callable[[int, Callable[[int, Any], Any]], list]] = None,
+                         chunk_tokens: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of megarl loss contributions over DP ranks and micro-batches, and the packed [T, V] gradient.
+
+    ``run_tp(tp, fn)`` runs ``fn(rank, group)`` on tp ranks (default: SimulatedWorld threads).
+    Sequences are split contiguously over DP ranks, then each rank's share into micro-batches.
+    """
+    b = case.batch
+    objective = objective or build_objective(case.cfg)
+    run_tp = run_tp or (lambda n, fn: SimulatedWorld(n).run(fn))
+    V = case.logits.shape[-1]
+    if V % tp:
+        raise ValueError(f"vocabulary {V} is not divisible by tp={tp}")
+    dp_shards = split_sequences(b.num_seqs, dp)
+    dp_world = SimulatedWorld(len(dp_shards))
+    max_len = case.extra.get("max_len") or 0.0
+    norms = dp_world.run(lambda r, g: GlobalNormalisers.from_batch(b.select(dp_shards[r]), g, max_len))
+    grad = torch.zeros_like(case.logits)
+    total = torch.zeros((), dtype=torch.float64)
+    starts = b.cu_seqlens[:-1]
+    for r, shard in enumerate(dp_shards):
+        for mb_ids in split_sequences(len(shard), micro_batches):
+            ids = [shard[i] for i in mb_ids]
+            mb = b.select(ids)
+            tok_idx = torch.cat([torch.arange(int(starts[i]), int(starts[i]) + int(b.seq_lens[i])) for i in ids])
+            logits_mb = case.logits[tok_idx]
+            teacher_mb = None if case.teacher_logits is None else case.teacher_logits[tok_idx]
+
+            def body(rank: int, group: Any):
+                shard_logits = logits_mb.chunk(tp, -1)[rank].clone().requires_grad_(True)
+                t_shard = None if teacher_mb is None else teacher_mb.chunk(tp, -1)[rank].clone()
+                ctx = LossContext(normalisers=norms[r], tp_group=group, chunk_tokens=chunk_tokens,
+                                  teacher_logits=t_shard)
+                out = objective(shard_logits, mb, ctx)
+                out.loss.backward()
+                return out.loss.detach(), shard_logits.grad
+
+            outs = run_tp(tp, body)
+            for o in outs[1:]:
+                if not torch.equal(o[0], outs[0][0]):
+                    raise AssertionError(f"TP ranks disagree on the loss: {outs[0][0]} vs {o[0]}")
+            total = total + outs[0][0].double()
+            grad[tok_idx] = torch.cat([o[1] for o in outs], -1)
+    return total.to(case.logits.dtype), grad

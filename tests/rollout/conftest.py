@@ -1,0 +1,49 @@
+"""Rollout test fixtures: tiny random Qwen3 checkpoints and ONE real vLLM server per session.
+
+Tests marked ``vllm`` need the vLLM venv made by tests/setup/20-vllm.sh. When it is missing they
+FAIL in CI (``CI=true``), so a broken setup cannot hide behind skips; on a developer machine they
+skip.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from megarl.rollout.launcher import VLLMServerConfig, default_vllm_python, launch_vllm
+from megarl.rollout.testing_models import build_tiny_qwen3
+
+PROMPT = [586, 28, 594, 289, 370, 13, 20, 33, 201, 591, 28]  # "user: What is 2+2?\nassistant:"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Two weight sets of the same tiny Qwen3 (v1: seed 0, v2: seed 1), saved in bf16."""
+    root = tmp_path_factory.mktemp("tiny-qwen3")
+    return {"v1": build_tiny_qwen3(root / "v1", seed=0), "v2": build_tiny_qwen3(root / "v2", seed=1)}
+
+
+def _require_vllm_venv() -> str:
+    python = default_vllm_python()
+    if not Path(python).exists():
+        msg = f"vLLM venv missing ({python}); run `bash tests/setup/20-vllm.sh`"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(msg + " (CI: tests marked vllm must not be skipped)")
+        pytest.skip(msg)
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_models, tmp_path_factory):
+    """One real vLLM server on the v1 weights, bound to loopback, reachable through the
+    authenticating forwarder (which listens on another port, as it would on the node address)."""
+    python = _require_vllm_venv()
+    work = tmp_path_factory.mktemp("vllm-server")
+    cfg = VLLMServerConfig(model_dir=str(tiny_models["v1"]), python=python, served_model_name="tiny",
+                           expose_host="127.0.0.1", work_dir=str(work), max_num_seqs=32,
+                           startup_timeout_s=240)
+    server = launch_vllm(cfg)
+    yield server
+    server.stop()
