@@ -203,9 +203,22 @@ class SlurmCluster:
         raise RuntimeError(f"nodes not idle after {timeout}s (sinfo: {last!r}); logs in {self.state_dir}/log")
 
     # ---------------------------------------------------------------- client helpers
-    def cmd(self, *args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-        """Run a Slurm client command against this cluster."""
-        return _run(list(args), check=check, env=self.env, timeout=timeout)
+    def cmd(self, *args: str, check: bool = True, timeout: float = 30, env: dict[str, str] | None = None,
+            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+        """Run a Slurm client command against this cluster (``env`` adds variables, e.g. for sbatch)."""
+        return _run(list(args), check=check, env={**self.env, **(env or {})}, timeout=timeout, cwd=cwd)
+
+    def netns_of(self, node: str) -> str | None:
+        """Network namespace of an emulated node (None in the single-node fallback)."""
+        return self._netns[self.node_names.index(node)] if self._netns else None
+
+    def set_link(self, node: str, up: bool) -> None:
+        """Cut (or restore) an emulated node's network: its veth inside the namespace goes down (up)."""
+        ns = self.netns_of(node)
+        if ns is None:
+            raise RuntimeError("no network namespaces in the single-node fallback")
+        i = self.node_names.index(node) + 1
+        _run(["ip", "-n", ns, "link", "set", f"mr{self._tag}v{i}n", "up" if up else "down"])
 
     def job_state(self, job_id: str) -> dict[str, str]:
         """Fields of ``scontrol show job`` as a dict (JobState, Restarts, NodeList, ExitCode, ...)."""

@@ -1,0 +1,312 @@
+"""Per-node launcher, run by ``srun --ntasks-per-node=1`` on every node of a job.
+
+Each launcher reads its Slurm task, checks the layout, then by role:
+- rollout nodes start the rollout server command(s), wait for their health check, publish the addresses and keep
+  the servers alive until the learner finishes (a server that exits is reported by node name);
+- learner nodes gather every rollout address, then start ``procs_per_node`` learner ranks with torch.distributed
+  variables, the address list and the checkpoint to resume from; learner node 0 also health-checks every rollout
+  server while training runs.
+SIGUSR1 / SIGTERM (pre-emption, ``--signal``, ``scontrol requeue``) are forwarded as SIGUSR1 to the learner ranks,
+which checkpoint and exit; the launcher then exits with EXIT_REQUEUE so the batch script can requeue the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megarl.launch.checkpoint import find_latest
+from megarl.launch.layout import Layout, LayoutError, check_layout
+from megarl.launch.processes import Child, spawn, terminate_all, wait_all
+from megarl.launch.rendezvous import Rendezvous
+from megarl.launch.roles import NodePlan, assign_roles, default_master_port, learner_rank_env, master_addr
+from megarl.launch.slurm_env import SlurmTask
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_REQUEUE = 99  # stopped on a signal after the learner checkpointed: the batch script requeues
+
+
+@dataclass
+class LaunchOptions:
+    """Everything the launcher needs besides the Slurm environment (the CLI flags of ``python -m megarl.launch``).
+
+    learner_cmd / rollout_cmd: argument lists; ``{placeholders}`` are filled per process (see ``format_cmd``).
+    """
+
+    layout: Layout
+    run_dir: Path
+    learner_cmd: list[str]
+    rollout_cmd: list[str] = field(default_factory=list)
+    ckpt_dir: Path | None = None
+    master_port: int | None = None
+    dist_timeout_s: float = 1800.0
+    backend: str = "auto"
+    rollout_port: int = 8000
+    rollout_bind: str = "0.0.0.0"
+    rollout_health_path: str = "/health"
+    rollout_startup_timeout_s: float = 900.0
+    health_interval_s: float = 10.0
+    health_failures: int = 3
+    health_timeout_s: float = 5.0
+    stop_grace_s: float = 60.0
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.ckpt_dir if self.ckpt_dir is not None else self.run_dir / "checkpoints"
+
+
+class LaunchFailure(RuntimeError):
+    """A rank, server or node failed; the message names it (rank, node, exit code or health error)."""
+
+
+def format_cmd(cmd: list[str], **values: object) -> list[str]:
+    """Fill ``{name}`` placeholders in each argument; an unknown placeholder is an error naming it."""
+    out = []
+    for arg in cmd:
+        try:
+            out.append(arg.format(**values))
+        except (KeyError, IndexError) as exc:
+            raise LayoutError(f"unknown placeholder {exc} in command argument {arg!r}; "
+                              f"known: {', '.join('{' + k + '}' for k in values)}") from None
+    return out
+
+
+def http_ok(url: str, timeout_s: float = 5.0) -> str | None:
+    """None when GET ``url`` answers 2xx, else a short reason."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return str(getattr(exc, "reason", exc))
+
+
+class NodeLauncher:
+    """Runs one node's share of a job; ``run()`` returns the process exit code."""
+
+    def __init__(self, task: SlurmTask, opts: LaunchOptions, log=None):
+        self.task, self.opts = task, opts
+        self.layout = opts.layout
+        self.node = task.node_name
+        self._log_stream = log or sys.stdout
+        self.stop_signal: str | None = None
+        self.servers: list[Child] = []
+        self.ranks: list[Child] = []
+        self.server_urls: list[str] = []
+
+    def log(self, msg: str) -> None:
+        print(f"[megarl.launch {self.node}] {msg}", file=self._log_stream, flush=True)
+
+    # ------------------------------------------------------------------ entry
+    def run(self) -> int:
+        """Check, start this node's processes, supervise them, tear down; return the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        try:
+            if self.task.n_tasks != self.task.n_nodes:
+                raise LayoutError(f"the launcher must run as one task per node, but the step has "
+                                  f"{self.task.n_tasks} task(s) on {self.task.n_nodes} node(s): "
+                                  f"use srun --ntasks-per-node=1")
+            check_layout(self.layout, self.task.n_nodes, self.task.gpus_on_node)
+            plans = assign_roles(self.task.nodes, self.layout)
+        except LayoutError as exc:
+            self.log(f"ERROR config check failed: {exc}")
+            return EXIT_CONFIG
+        plan = plans[self.task.node_id]
+        self.log(f"role={plan.role.value} job={self.task.job_id} restart={self.task.restart_count} "
+                 f"host={self.task.hostname} layout: {self.layout.describe()}")
+        rdv = Rendezvous(self.opts.run_dir, self.task.job_id, self.task.restart_count)
+        try:
+            if plan.runs_rollout:
+                self._start_servers(plan)
+                rdv.publish_rollout(self.node, self.server_urls)
+                self.log(f"rollout servers ready: {' '.join(self.server_urls)}")
+            if plan.runs_learner:
+                return self._run_learner(plan, plans, rdv)
+            return self._serve_until_learner_ends(rdv)
+        except LaunchFailure as exc:
+            self.log(f"ERROR {exc}")
+            if plan.runs_rollout and not plan.runs_learner:
+                rdv.mark_dead(self.node, str(exc))
+            if plan.runs_learner:
+                rdv.set_learner_state("failed")
+            return EXIT_FAILED
+        except LayoutError as exc:
+            self.log(f"ERROR config check failed: {exc}")
+            return EXIT_CONFIG
+        finally:
+            terminate_all(self.ranks + self.servers)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.stop_signal is None:
+            self.log(f"got {name}: asking learner ranks to checkpoint and stop")
+        self.stop_signal = name
+        for r in self.ranks:
+            if r.returncode is None:
+                r.signal(signal.SIGUSR1)
+
+    # ------------------------------------------------------------------ rollout side
+    def _start_servers(self, plan: NodePlan) -> None:
+        if not self.opts.rollout_cmd:
+            raise LayoutError("this node has rollout role but no --rollout-cmd was given")
+        L = self.layout
+        for s in range(L.servers_per_node):
+            port = self.opts.rollout_port + s
+            gpus = list(range(s * L.gpus_per_server, (s + 1) * L.gpus_per_server)) if L.gpus_per_server else []
+            cmd = format_cmd(self.opts.rollout_cmd, host=self.opts.rollout_bind, port=port, node=self.node,
+                             index=plan.rollout_index * L.servers_per_node + s,
+                             gpus=",".join(map(str, gpus)), run_dir=self.opts.run_dir)
+            env = dict(os.environ, MEGARL_NODE=self.node)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+            self.log(f"starting rollout server {s} on port {port}: {' '.join(cmd)}")
+            self.servers.append(spawn(f"rollout server {s} on {self.node} (port {port})", cmd, env))
+            self.server_urls.append(f"http://{self.node}:{port}")
+        deadline = time.monotonic() + self.opts.rollout_startup_timeout_s
+        pending = dict(zip(self.server_urls, self.servers))
+        while pending:
+            for url, child in list(pending.items()):
+                if child.returncode is not None:
+                    raise LaunchFailure(f"{child.label} exited with code {child.returncode} during start-up")
+                if http_ok(url + self.opts.rollout_health_path, 2) is None:
+                    del pending[url]
+            if self.stop_signal:
+                raise LaunchFailure(f"stopped by {self.stop_signal} while rollout servers were starting")
+            if pending and time.monotonic() > deadline:
+                raise LaunchFailure(f"rollout server(s) {', '.join(pending)} on {self.node} not healthy after "
+                                    f"{self.opts.rollout_startup_timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def _check_servers(self) -> None:
+        for child in self.servers:
+            if child.returncode is not None:
+                raise LaunchFailure(f"rollout node {self.node} lost its {child.label}: exited with code "
+                                    f"{child.returncode}")
+
+    def _serve_until_learner_ends(self, rdv: Rendezvous) -> int:
+        while True:
+            state = rdv.learner_state()
+            if state is not None:
+                self.log(f"learner state '{state}': stopping rollout servers")
+                return EXIT_OK
+            if self.stop_signal:  # exit 0: a non-zero code would make srun --kill-on-bad-exit kill the learner
+                self.log(f"stopping rollout servers on {self.stop_signal}")
+                return EXIT_OK
+            self._check_servers()
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------------ learner side
+    def _rollout_nodes(self, plans: list[NodePlan]) -> list[str]:
+        return [p.node for p in plans if p.runs_rollout]
+
+    def _run_learner(self, plan: NodePlan, plans: list[NodePlan], rdv: Rendezvous) -> int:
+        rollout_nodes = self._rollout_nodes(plans)
+        addresses: dict[str, list[str]] = {}
+        if rollout_nodes:
+            self.log(f"waiting for rollout servers on {', '.join(rollout_nodes)}")
+            addresses = rdv.gather_rollout(rollout_nodes, self.opts.rollout_startup_timeout_s,
+                                           alive=self._check_servers_or_stop)
+            rdv.write_address_file(addresses)
+        urls = [u for n in rollout_nodes for u in addresses[n]]
+        latest = find_latest(self.opts.checkpoint_dir)
+        if latest:
+            self.log(f"resuming from checkpoint step {latest[0]}: {latest[1]}")
+        port = self.opts.master_port or default_master_port(self.task.job_id)
+        addr = master_addr(plans)
+        base_env = dict(os.environ)
+        base_env.update({
+            "MEGARL_NODE": self.node,
+            "MEGARL_RUN_DIR": str(self.opts.run_dir),
+            "MEGARL_CHECKPOINT_DIR": str(self.opts.checkpoint_dir),
+            "MEGARL_RESUME_FROM": str(latest[1]) if latest else "",
+            "MEGARL_RESUME_STEP": str(latest[0]) if latest else "",
+            "MEGARL_RESTART_COUNT": str(self.task.restart_count),
+            "MEGARL_DIST_TIMEOUT_S": str(self.opts.dist_timeout_s),
+            "MEGARL_DIST_BACKEND": self.opts.backend,
+            "MEGARL_ROLLOUT_ADDRESSES": ",".join(urls),
+            "MEGARL_ROLLOUT_ADDRESS_FILE": str(rdv.address_file) if rollout_nodes else "",
+        })
+        base_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # NCCL timeouts raise instead of hanging
+        for local in range(self.layout.procs_per_node):
+            env = dict(base_env, **learner_rank_env(plan, local, self.layout, addr, port))
+            cmd = format_cmd(self.opts.learner_cmd, run_dir=self.opts.run_dir, ckpt_dir=self.opts.checkpoint_dir,
+                             resume=env["MEGARL_RESUME_FROM"], rank=env["RANK"], local_rank=local,
+                             node=self.node)
+            label = f"learner rank {env['RANK']} (local {local}) on {self.node}"
+            if local == 0:
+                self.log(f"starting {self.layout.procs_per_node} learner rank(s) from {env['RANK']} "
+                         f"(MASTER_ADDR={addr} MASTER_PORT={port}): {' '.join(cmd)}")
+            self.ranks.append(spawn(label, cmd, env))
+        if self.stop_signal:  # a signal arrived before the ranks existed
+            for r in self.ranks:
+                r.signal(signal.SIGUSR1)
+        return self._supervise_learner(plan, addresses, rdv)
+
+    def _check_servers_or_stop(self) -> None:
+        self._check_servers()
+        if self.stop_signal:
+            raise LaunchFailure(f"stopped by {self.stop_signal} while waiting for rollout servers")
+
+    def _supervise_learner(self, plan: NodePlan, addresses: dict[str, list[str]], rdv: Rendezvous) -> int:
+        watch_health = plan.node_rank == 0
+        failures: dict[str, int] = {}
+        next_health = time.monotonic() + self.opts.health_interval_s
+        while True:
+            if watch_health:  # first: a dead rollout node fails the job even when a signal is also pending
+                dead = rdv.dead_nodes()
+                if dead:
+                    node, reason = next(iter(dead.items()))
+                    raise LaunchFailure(f"rollout node {node} died: {reason}")
+            codes = [r.returncode for r in self.ranks]
+            bad = [(r, c) for r, c in zip(self.ranks, codes) if c not in (None, 0)]
+            if bad and not self.stop_signal:
+                raise LaunchFailure("; ".join(f"{r.label} exited with code {c}" for r, c in bad))
+            if all(c is not None for c in codes):
+                break
+            if self.stop_signal:
+                if not wait_all(self.ranks, self.opts.stop_grace_s):
+                    raise LaunchFailure(f"learner ranks did not stop within {self.opts.stop_grace_s:.0f}s of "
+                                        f"{self.stop_signal}")
+                continue
+            self._check_servers()
+            if watch_health:
+                if time.monotonic() >= next_health:
+                    self._health_round(addresses, failures)
+                    next_health = time.monotonic() + self.opts.health_interval_s
+            time.sleep(0.2)
+        codes = [r.returncode for r in self.ranks]
+        if self.stop_signal:
+            state, rc = "stopped", EXIT_REQUEUE
+            self.log(f"learner ranks stopped after {self.stop_signal} (exit codes {codes}); exit {rc} for requeue")
+        elif any(codes):
+            state, rc = "failed", EXIT_FAILED
+        else:
+            state, rc = "done", EXIT_OK
+            self.log("learner ranks finished")
+        if plan.node_rank == 0:
+            rdv.set_learner_state(state)
+        return rc
+
+    def _health_round(self, addresses: dict[str, list[str]], failures: dict[str, int]) -> None:
+        for node, urls in addresses.items():
+            for url in urls:
+                reason = http_ok(url + self.opts.rollout_health_path, self.opts.health_timeout_s)
+                if reason is None:
+                    failures.pop(url, None)
+                    continue
+                failures[url] = failures.get(url, 0) + 1
+                self.log(f"rollout server {url} on {node} failed health check "
+                         f"{failures[url]}/{self.opts.health_failures}: {reason}")
+                if failures[url] >= self.opts.health_failures:
+                    raise LaunchFailure(f"rollout node {node} died: server {url} stopped answering "
+                                        f"{self.opts.rollout_health_path} ({reason})")
