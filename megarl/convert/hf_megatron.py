@@ -73,10 +73,8 @@ def _qkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec
 def shard_hf(entry: Entry, hf: list[torch.Tensor], spec: ModelSpec, tp: int, r: int) -> torch.Tensor:
     """The TP rank ``r`` shard of the megatron parameter built from HF tensors ``hf``."""
     k = entry.kind
-    if k in ("replicated", "expert"):
+    if k == "replicated":
         return hf[0]
-    if k == "glu_expert":
-        return torch.cat(hf, dim=0)
     if k in ("vocab", "column"):
         return hf[0].chunk(tp, dim=0)[r]
     if k == "row":
@@ -92,10 +90,8 @@ def shard_hf(entry: Entry, hf: list[torch.Tensor], spec: ModelSpec, tp: int, r: 
 def unshard_to_hf(entry: Entry, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
     """Inverse of ``shard_hf``: TP shards (rank order) -> the HF tensors of ``entry.hf_names``."""
     k = entry.kind
-    if k in ("replicated", "expert"):
+    if k == "replicated":
         return [shards[0]]
-    if k == "glu_expert":
-        return list(shards[0].chunk(2, dim=0))
     if k in ("vocab", "column"):
         return [torch.cat(shards, dim=0)]
     if k == "row":
@@ -159,8 +155,6 @@ def _uses_te_names(model: torch.nn.Module) -> bool:
 def model_plan(model: torch.nn.Module, groups: ParallelGroups) -> list[Entry]:
     """The conversion plan of ``model`` (built by ``megarl.learner.model.build_gpt_model``)."""
     lay = groups.layout
-    if lay.expert_tp != 1:
-        raise ConversionError(f"expert_tp={lay.expert_tp}: only expert_tp=1 is supported by the converter")
     return build_plan(model.megarl_spec, pp=lay.pp, ep=lay.ep, te_names=_uses_te_names(model))
 
 
@@ -192,9 +186,9 @@ def load_hf_into_model(model: torch.nn.Module, groups: ParallelGroups,
     check_hf_keys(names, plan, where)
     mine = _local_entries(plan, groups)
     params = _check_local_coverage(model, mine)
-    tp, r = groups.layout.tp, groups.tp_rank
     bad_shapes = []
     for e in mine:
+        tp, r = (groups.layout.etp, groups.etp_rank) if e.expert is not None else (groups.layout.tp, groups.tp_rank)
         shard = shard_hf(e, [getter(n) for n in e.hf_names], spec, tp, r)
         p = params[e.mcore_name]
         if tuple(shard.shape) != tuple(p.shape):
@@ -240,16 +234,16 @@ def iter_hf_tensors(model: torch.nn.Module, groups: ParallelGroups) -> Iterator[
         tensors: Optional[list[torch.Tensor]] = None
         if on_stage:
             p = params[e.mcore_name].detach()
-            if e.expert is not None:
-                if lay.ep > 1:
-                    p = _broadcast_from(p if groups.ep_rank == e.ep_owner else None, e.ep_owner, groups.ep,
-                                        dtype, groups.device)
+            tp, tp_group = (lay.etp, groups.expt_tp) if e.expert is not None else (lay.tp, groups.tp)
+            if e.expert is not None and lay.ep > 1:
+                # the owner's shard (for this expert-TP rank) goes to every EP peer
+                p = _broadcast_from(p if groups.ep_rank == e.ep_owner else None, e.ep_owner, groups.ep,
+                                    dtype, groups.device)
+            if e.kind == "replicated" or tp == 1:
                 tensors = unshard_to_hf(e, [p], spec)
-            elif e.kind == "replicated" or lay.tp == 1:
-                tensors = unshard_to_hf(e, [p] * (1 if e.kind == "replicated" else lay.tp), spec)
             else:
-                shards = [torch.empty_like(p) for _ in range(lay.tp)]
-                dist.all_gather(shards, p.contiguous(), group=groups.tp)
+                shards = [torch.empty_like(p) for _ in range(tp)]
+                dist.all_gather(shards, p.contiguous(), group=tp_group)
                 tensors = unshard_to_hf(e, shards, spec)
         if lay.pp > 1:
             tensors = [_broadcast_from(tensors[i] if on_stage else None, e.stage, groups.pp, dtype, groups.device)

@@ -11,6 +11,7 @@ Sharding kinds (``tp`` ranks; ``r`` = TP rank):
 - ``glu``: ``[gate; up]``, each of gate and up split by rows, rank r holds ``[gate_r; up_r]``.
 - ``qkv``: q, k, v regrouped per KV group ``[q_g (heads/groups · d), k_g (d), v_g (d)]``,
   groups split contiguously over TP ranks (megatron's interleaved QKV layout).
+Expert weights (``expert`` set) use ``glu`` / ``row`` over the *expert* tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ def build_plan(spec: ModelSpec, pp: int = 1, ep: int = 1, te_names: bool = False
                 else:
                     fc1 = m + f"mlp.experts.local_experts.{k}.linear_fc1.weight"
                     fc2 = m + f"mlp.experts.local_experts.{k}.linear_fc2.weight"
-                # Experts are not TP-sharded (expert_tp = 1): they are split over EP instead.
-                out.append(Entry(fc1, (hx + "gate_proj.weight", hx + "up_proj.weight"), "glu_expert", s,
+                # Expert weights are cut over the expert-TP group (not the TP group) and live on one EP rank.
+                out.append(Entry(fc1, (hx + "gate_proj.weight", hx + "up_proj.weight"), "glu", s,
                                  expert=e, ep_owner=owner))
-                out.append(Entry(fc2, (hx + "down_proj.weight",), "expert", s, expert=e, ep_owner=owner))
+                out.append(Entry(fc2, (hx + "down_proj.weight",), "row", s, expert=e, ep_owner=owner))
     out.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", last))
     if not spec.tie_word_embeddings:
         out.append(Entry("output_layer.weight", ("lm_head.weight",), "vocab", last))

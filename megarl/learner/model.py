@@ -133,6 +133,9 @@ def transformer_config_from_spec(spec: ModelSpec, groups: ParallelGroups, *,
         raise HFConfigError(f"num_hidden_layers {spec.num_layers} is not divisible by pp={lay.pp}")
     if spec.is_moe and spec.num_experts % lay.ep:
         raise HFConfigError(f"num_experts {spec.num_experts} is not divisible by ep={lay.ep}")
+    if spec.is_moe and lay.tp > 1 and not lay.sequence_parallel:
+        raise HFConfigError(f"MoE with tp={lay.tp} needs sequence_parallel=True (megatron-core refuses "
+                            "MoE + TP without SP in training)")
     on_gpu = use_cuda()
     kw: dict[str, Any] = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -143,7 +146,7 @@ def transformer_config_from_spec(spec: ModelSpec, groups: ParallelGroups, *,
         add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.expert_tp,
+        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp,
         context_parallel_size=lay.cp, sequence_parallel=lay.sequence_parallel,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype, init_method_std=init_method_std,

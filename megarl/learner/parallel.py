@@ -25,7 +25,12 @@ class ParallelLayout:
     ep: int = 1
     cp: int = 1
     sequence_parallel: bool = False
-    expert_tp: int = 1  # tensor parallelism inside experts (1 = experts are not TP-sharded)
+    expert_tp: int | None = None  # tensor parallelism inside experts; None = tp (megatron's default)
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor-parallel size."""
+        return self.tp if self.expert_tp is None else self.expert_tp
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP size for ``world_size`` ranks; raises if the layout does not divide the world."""
@@ -33,9 +38,13 @@ class ParallelLayout:
         if world_size % mp:
             raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp={mp} ({self})")
         dp = world_size // mp
-        if (dp * self.cp * self.tp) % (self.ep * self.expert_tp):
-            raise ValueError(f"ep*expert_tp={self.ep * self.expert_tp} must divide dp*cp*tp="
+        if (dp * self.cp * self.tp) % (self.ep * self.etp):
+            raise ValueError(f"ep*expert_tp={self.ep * self.etp} must divide dp*cp*tp="
                              f"{dp * self.cp * self.tp} ({self})")
+        if self.ep == 1 and self.etp != self.tp:
+            # megatron-core 0.16 marks experts as dense params when ep == 1, so their gradients
+            # would only be reduced over DP, not over the TP ranks that saw other tokens.
+            raise ValueError(f"expert_tp={self.etp} != tp={self.tp} needs ep > 1 ({self})")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
         return dp
@@ -55,6 +64,7 @@ class ParallelGroups:
     dp: dist.ProcessGroup  # data parallel (without CP)
     dp_cp: dist.ProcessGroup  # data + context parallel: dense-parameter gradient reduction
     expt_dp: dist.ProcessGroup  # expert data parallel: expert-parameter gradient reduction
+    expt_tp: dist.ProcessGroup  # tensor parallel inside experts
     mp: dist.ProcessGroup  # tensor + pipeline (model parallel)
     pg_collection: object  # megatron's ProcessGroupCollection, for megatron-core constructors
     device: torch.device
@@ -70,6 +80,10 @@ class ParallelGroups:
     @property
     def ep_rank(self) -> int:
         return dist.get_rank(self.ep)
+
+    @property
+    def etp_rank(self) -> int:
+        return dist.get_rank(self.expt_tp)
 
     @property
     def dp_rank(self) -> int:
@@ -136,7 +150,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
+        expert_tensor_parallel_size=layout.etp,
         create_gloo_process_groups=use_cuda(),  # on CPU the default group is gloo already
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -147,7 +161,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
         tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
         ep=ps.get_expert_model_parallel_group(), cp=ps.get_context_parallel_group(),
         dp=ps.get_data_parallel_group(), dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
-        expt_dp=ps.get_expert_data_parallel_group(), mp=ps.get_model_parallel_group(),
+        expt_dp=ps.get_expert_data_parallel_group(), expt_tp=ps.get_expert_tensor_parallel_group(), mp=ps.get_model_parallel_group(),
         pg_collection=pgc, device=device)
 
 

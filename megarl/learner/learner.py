@@ -1,0 +1,258 @@
+"""The Megatron learner: model + DDP + DistributedOptimizer + LR schedule, driven by packed batches.
+
+Every rank of a model replica (its TP/PP/EP peers) must be given the same ``PackedBatch``; data-parallel
+replicas get different ones. Micro-batches are whole-sequence slices of that batch
+(``PackedBatch.split``), run through megatron's ``get_forward_backward_func`` (1F1B with PP).
+
+Loss scaling, explicitly (see docs/learner.md):
+- ``Objective`` losses are already globally normalised (``GlobalNormalisers.from_batch(batch, dp)``):
+  the sum over micro-batches and DP ranks *is* the global loss. So the model config sets
+  ``calculate_per_token_loss=True``, which makes megatron's schedule skip its division by the number of
+  micro-batches and makes megatron DDP reduce gradients with SUM (gradient_scaling_factor 1).
+  ``finalize_model_grads`` is called with ``num_tokens=None`` so it does not rescale either.
+- MoE auxiliary losses are per micro-batch means; megatron backpropagates them with
+  ``grad_scale_func(1)``. We set ``grad_scale_func(t) = t * s`` with ``s = 1 / (M * dp)`` so their
+  summed gradient is the mean over micro-batches and replicas, and the objective loss handed to the
+  schedule is ``loss / s`` so that its own gradient stays exactly ``d loss``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.batch import PackedBatch
+from megarl.learner.forward import align_logits, packed_inputs, run_model, unwrap
+from megarl.learner.model import build_gpt_model, load_hf_config
+from megarl.learner.parallel import ParallelGroups
+from megarl.objectives.api import GlobalNormalisers, LossContext, Objective
+
+
+@dataclass
+class OptimConfig:
+    """Adam + LR schedule + clipping. ``lr_decay_steps`` 0 = constant after warm-up."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class LearnerConfig:
+    """What builds a learner: the HF config, dtype, optimizer and numerics knobs."""
+
+    hf_config: Any  # dict, config.json path or model directory
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    params_dtype: torch.dtype = torch.float32
+    chunk_tokens: int = 4096  # token chunk of the vocab-parallel ops
+    moe_aux_loss_coeff: Optional[float] = None  # None = from the HF config (router_aux_loss_coef)
+    seed: int = 1234
+
+
+class Learner:
+    """One rank's part of the learner. All public methods are collective over the world."""
+
+    def __init__(self, cfg: LearnerConfig, groups: ParallelGroups, perform_initialization: bool = True):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.cfg, self.groups = cfg, groups
+        self.hf_config = load_hf_config(cfg.hf_config)
+        torch.manual_seed(cfg.seed)
+        model = build_gpt_model(self.hf_config, groups, params_dtype=cfg.params_dtype,
+                                moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                                perform_initialization=perform_initialization)
+        self.spec = model.megarl_spec
+        self.config = model.config
+        self.config.calculate_per_token_loss = True
+        o = cfg.optim
+        self.ddp = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=o.use_distributed_optimizer,
+                                          average_in_collective=False),
+            model)
+        self.ddp.megarl_spec = self.spec
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                            clip_grad=o.clip_grad, use_distributed_optimizer=o.use_distributed_optimizer,
+                            bf16=cfg.params_dtype == torch.bfloat16, params_dtype=cfg.params_dtype),
+            [self.ddp], use_gloo_process_groups=False)
+        decay = max(o.lr_decay_steps, o.lr_warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay,
+            lr_decay_style=o.lr_decay_style if o.lr_decay_steps else "constant",
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.finalize_model_grads_func = self._finalize_grads
+        self.step = 0
+
+    # ------------------------------------------------------------------------- weights
+    @property
+    def model(self) -> torch.nn.Module:
+        """The bare GPTModel (this rank's stage)."""
+        return unwrap(self.ddp)
+
+    def load_hf(self, source) -> None:
+        """Load HF weights (directory or dict) into the model and the optimizer's fp32 copies."""
+        from megarl.convert.hf_megatron import load_hf_into_model
+
+        load_hf_into_model(self.model, self.groups, source)
+        self._sync_main_params()
+
+    def _sync_main_params(self) -> None:
+        # The optimizer keeps its own fp32 copy (bf16 runs) or a shard view (DistributedOptimizer);
+        # after writing weights into the model, reload them from the model.
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if hasattr(opt, "reload_model_params"):
+                opt.reload_model_params()
+
+    # ------------------------------------------------------------------------- helpers
+    def _pad_multiple(self) -> int:
+        return self.groups.layout.tp if self.groups.layout.sequence_parallel else 1
+
+    def _finalize_grads(self, model_chunks, num_tokens=None, **kwargs) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(model_chunks, num_tokens=None)  # never rescale: losses are global already
+
+    def _run_schedule(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = run_model(model, packed_inputs(mb.tokens, mb.cu_seqlens, self.groups.device,
+                                                 self._pad_multiple()))
+            return out, partial(loss_func, mb)
+
+        fb = get_forward_backward_func()
+        max_len = max(mb.num_tokens for mb in micro_batches)
+        max_len = -(-max_len // self._pad_multiple()) * self._pad_multiple()
+        return fb(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
+                  num_microbatches=len(micro_batches), seq_length=max_len, micro_batch_size=1,
+                  forward_only=forward_only)
+
+    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """Broadcast a tensor of known shape from the last pipeline stage to every stage."""
+        if self.groups.layout.pp > 1:
+            src = dist.get_global_rank(self.groups.pp, self.groups.layout.pp - 1)
+            dist.broadcast(t, src=src, group=self.groups.pp)
+        return t
+
+    # ------------------------------------------------------------------------- forward only
+    @torch.no_grad()
+    def compute_logprobs(self, batch: PackedBatch, num_micro_batches: int = 1,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Per-token logprobs ``[T]`` (and entropies ``[T]`` when asked) of ``batch.tokens`` under the
+        current weights, aligned to the batch convention (first token of each sequence: 0).
+
+        Logits stay vocab-parallel: megarl.ops.vocab_parallel, never a gathered ``[T, V]``.
+        Returned on every rank.
+        """
+        from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
+
+        self.ddp.eval()
+        tp_group = self.groups.tp if self.groups.layout.tp > 1 else None
+
+        def loss_func(mb: PackedBatch, logits: torch.Tensor):
+            aligned = align_logits(logits, mb.cu_seqlens)
+            lp, ent = vocab_parallel_logprobs_entropy(aligned, mb.tokens.to(aligned.device), tp_group,
+                                                      self.cfg.chunk_tokens, with_entropy=with_entropy)
+            first = mb.cu_seqlens[:-1]
+            lp[first] = 0.0
+            ent[first] = 0.0
+            zero = logits.new_zeros(())
+            return zero, torch.tensor(1, dtype=torch.int), {"logprobs": lp, "entropy": ent}
+
+        micro = batch.split(num_micro_batches)
+        out = self._run_schedule(micro, loss_func, forward_only=True)
+        T = batch.num_tokens
+        lp = torch.zeros(T, dtype=torch.float32, device=self.groups.device)
+        ent = torch.zeros(T, dtype=torch.float32, device=self.groups.device)
+        if self.groups.is_last_stage:
+            lp = torch.cat([d["logprobs"].float() for d in out])
+            ent = torch.cat([d["entropy"].float() for d in out])
+        lp = self._from_last_stage(lp)
+        ent = self._from_last_stage(ent)
+        self.ddp.train()
+        return lp.cpu(), (ent.cpu() if with_entropy else None)
+
+    # ------------------------------------------------------------------------- training
+    def train_step(self, batch: PackedBatch, objective: Objective, num_micro_batches: int = 1,
+                   normalisers: Optional[GlobalNormalisers] = None) -> dict[str, float]:
+        """One optimizer step on this rank's ``batch`` (its DP shard of the global batch).
+
+        Returns metrics (same on every rank): the objective's metric parts summed over micro-batches
+        and DP ranks (so globally normalised), ``loss``, ``grad_norm``, ``grad_clipped``, ``lr``,
+        ``num_micro_batches``, ``update_successful``.
+        """
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        g = self.groups
+        norms = normalisers or GlobalNormalisers.from_batch(batch, g.dp if g.dp_size > 1 else None)
+        tp_group = g.tp if g.layout.tp > 1 else None
+        ctx = LossContext(normalisers=norms, tp_group=tp_group, chunk_tokens=self.cfg.chunk_tokens,
+                          step=self.step)
+        micro = batch.split(num_micro_batches)
+        s = 1.0 / (len(micro) * g.dp_size)
+        self.config.grad_scale_func = lambda t: t * s
+        metric_names: list[str] = []
+
+        def loss_func(mb: PackedBatch, logits: torch.Tensor):
+            aligned = align_logits(logits, mb.cu_seqlens)
+            res = objective(aligned, mb, ctx)
+            reported = {"loss": res.loss.detach().reshape(()).float()}
+            for k, v in res.metrics.items():
+                reported[k] = torch.as_tensor(v).detach().reshape(()).float()
+            return res.loss / s, torch.tensor(1, dtype=torch.int), reported
+
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._run_schedule(micro, loss_func, forward_only=False)
+        # metrics: sum over micro-batches, then DP; then send from the last stage to all stages.
+        if g.is_last_stage:
+            metric_names = sorted(out[0].keys())
+        names_holder = [metric_names]
+        if g.layout.pp > 1:
+            dist.broadcast_object_list(names_holder, src=dist.get_global_rank(g.pp, g.layout.pp - 1),
+                                       group=g.pp)
+        metric_names = names_holder[0]
+        vec = torch.zeros(len(metric_names), dtype=torch.float64, device=g.device)
+        if g.is_last_stage:
+            for d in out:
+                vec += torch.stack([d[k].double() for k in metric_names])
+        if g.dp_size > 1:
+            dist.all_reduce(vec, group=g.dp)
+        vec = self._from_last_stage(vec)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        self.step += 1
+        clear_aux_losses_tracker()
+        self.config.grad_scale_func = None
+        metrics = {k: float(v) for k, v in zip(metric_names, vec.tolist())}
+        gn = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics.update(grad_norm=gn, grad_clipped=float(gn > self.cfg.optim.clip_grad > 0),
+                       lr=lr, num_micro_batches=float(len(micro)),
+                       update_successful=float(bool(ok)))
+        if not math.isfinite(gn):
+            metrics["nonfinite_grad"] = 1.0
+        return metrics

@@ -1,0 +1,284 @@
+"""Distributed learner checks, many per process-group start.
+
+Run as ``torchrun --nproc-per-node N tests/learner/dist_cases.py --workdir DIR --cases a,b,...``.
+Every case runs on every rank (switching parallel layouts inside, groups are re-created, the
+default process group stays), and rank 0 prints one line ``CASE {json}`` per case with the
+measured numbers and ``ok``. tests/learner/test_learner_dist.py launches this and asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from megarl.batch import PackedBatch  # noqa: E402
+from megarl.convert.hf_megatron import ConversionError, iter_hf_tensors, load_hf_into_model  # noqa: E402
+from megarl.learner.learner import Learner, LearnerConfig, OptimConfig  # noqa: E402
+from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel  # noqa: E402
+from megarl.objectives.api import LossContext, LossOutput  # noqa: E402
+from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy  # noqa: E402
+
+VOCAB = 256
+PARITY_TOL = 1e-4
+# Adam turns gradient differences of ~1e-7 on near-zero gradients into update differences of a few
+# % of lr (1e-3); 2 steps: 3e-5 = 3% of one step.
+PARAM_TOL = 3e-5
+
+
+# ----------------------------------------------------------------------------- fixtures
+def tiny_hf_config(moe: bool, aux: float = 0.0) -> dict:
+    """A tiny Qwen3 / Qwen3-MoE config (transformers config kwargs)."""
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                max_position_embeddings=512, rms_norm_eps=1e-6)
+    if moe:
+        base.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                    router_aux_loss_coef=aux)
+    return base
+
+
+def make_hf_model(moe: bool, workdir: str):
+    """Random-weight HF model, saved once (rank 0) to workdir; returns (model, dir)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(1 if moe else 0)
+    if moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**tiny_hf_config(True)))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**tiny_hf_config(False)))
+    model = model.float().eval()
+    d = os.path.join(workdir, "hf_moe" if moe else "hf_dense")
+    if dist.get_rank() == 0 and not os.path.exists(d):
+        model.save_pretrained(d)
+    dist.barrier()
+    return model, d
+
+
+def make_batch(seed: int, lens=(7, 13, 5, 9), prompt=3) -> PackedBatch:
+    """A packed batch of len(lens) sequences with random tokens and advantages (same on all ranks)."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    mask = torch.zeros(T)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        mask[a + prompt:b] = 1.0
+    return PackedBatch(tokens=torch.randint(0, VOCAB, (T,), generator=g), cu_seqlens=cu,
+                       prompt_lens=torch.full((len(lens),), prompt), loss_mask=mask,
+                       group_ids=torch.arange(len(lens)) // 2,
+                       advantages=torch.randn(T, generator=g)).validate()
+
+
+class PolicyGradientObjective:
+    """Test objective: token-mean of -logprob * advantage, plus an entropy metric."""
+
+    def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput:
+        lp, ent = vocab_parallel_logprobs_entropy(logits, batch.tokens.to(logits.device), ctx.tp_group,
+                                                  ctx.chunk_tokens)
+        m = batch.loss_mask.to(lp)
+        n = ctx.normalisers.num_tokens
+        loss = -(lp * batch.advantages.to(lp) * m).sum() / n
+        return LossOutput(loss=loss, metrics={"pg_loss": loss.detach(), "entropy": (ent * m).sum().detach() / n})
+
+
+def learner_for(layout: ParallelLayout, hf_dir: str, optim: OptimConfig | None = None,
+                aux: float | None = 0.0) -> Learner:
+    groups = initialize_parallel(layout)
+    ln = Learner(LearnerConfig(hf_config=hf_dir, optim=optim or OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6),
+                               moe_aux_loss_coeff=aux), groups)
+    ln.load_hf(hf_dir)
+    return ln
+
+
+def dp_shard(batch: PackedBatch, ln: Learner) -> PackedBatch:
+    g = ln.groups
+    return batch.split(g.dp_size)[g.dp_rank] if g.dp_size > 1 else batch
+
+
+def last_stage_logits(ln: Learner, batch: PackedBatch) -> torch.Tensor | None:
+    """Unaligned logits [T, V/tp] via the forward-only schedule (works for any PP)."""
+    def loss_func(mb, logits):
+        return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logits": logits[:mb.num_tokens]}
+
+    with torch.no_grad():
+        out = ln._run_schedule([batch], loss_func, forward_only=True)
+    return out[0]["logits"] if ln.groups.is_last_stage else None
+
+
+def hf_logits_per_seq(hf, batch: PackedBatch) -> torch.Tensor:
+    cu = batch.cu_seqlens.tolist()
+    with torch.no_grad():
+        return torch.cat([hf(batch.tokens[None, a:b]).logits[0] for a, b in zip(cu[:-1], cu[1:])])
+
+
+def max_over_world(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+LAYOUTS = {"tp1": ParallelLayout(), "tp2": ParallelLayout(tp=2), "tp2sp": ParallelLayout(tp=2, sequence_parallel=True),
+           "pp2": ParallelLayout(pp=2), "ep2": ParallelLayout(ep=2), "tp2ep2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1)}
+
+
+# ----------------------------------------------------------------------------- cases
+def case_parity(args, moe: bool, layout_name: str) -> dict:
+    """Megatron logits (this rank's vocab shard) vs transformers, same packed batch."""
+    hf, d = make_hf_model(moe, args.workdir)
+    ln = learner_for(LAYOUTS[layout_name], d)
+    batch = make_batch(3)
+    ref = hf_logits_per_seq(hf, batch)
+    out = last_stage_logits(ln, batch)
+    diff = 0.0
+    if out is not None:
+        V = VOCAB // ln.groups.layout.tp
+        r = ln.groups.tp_rank
+        diff = float((out - ref[:, r * V:(r + 1) * V]).abs().max())
+    diff = max_over_world(diff)
+    return {"max_abs_diff": diff, "ok": diff <= PARITY_TOL}
+
+
+def case_roundtrip(args, moe: bool, layout_name: str) -> dict:
+    """HF -> Megatron (sharded) -> HF export is bit-exact, all tensors, on every rank."""
+    from safetensors import safe_open
+
+    _, d = make_hf_model(moe, args.workdir)
+    ln = learner_for(LAYOUTS[layout_name], d)
+    exported = dict(iter_hf_tensors(ln.model, ln.groups))
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        bad = [k for k in keys if k not in exported or not torch.equal(f.get_tensor(k), exported[k])]
+    extra = sorted(set(exported) - keys)
+    nbad = max_over_world(len(bad) + len(extra))
+    return {"num_tensors": len(exported), "mismatched": bad[:5], "extra": extra[:5], "ok": nbad == 0}
+
+
+def case_corrupt(args, moe: bool, layout_name: str) -> dict:
+    """Deliberately corrupted key sets raise ConversionError naming the keys."""
+    from safetensors.torch import load_file
+
+    _, d = make_hf_model(moe, args.workdir)
+    groups = initialize_parallel(LAYOUTS[layout_name])
+    from megarl.learner.model import build_gpt_model
+
+    model = build_gpt_model(d, groups)
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    results = {}
+    variants = {
+        "missing": ({k: v for k, v in sd.items() if k != "model.layers.1.self_attn.k_proj.weight"},
+                    "model.layers.1.self_attn.k_proj.weight"),
+        "unknown": (dict(sd, **{"model.layers.0.mlp.extra_bias": torch.zeros(3)}), "model.layers.0.mlp.extra_bias"),
+        "unused": (dict(sd, **{"model.layers.7.input_layernorm.weight": torch.zeros(64)}),
+                   "model.layers.7.input_layernorm.weight"),
+        "shape": (dict(sd, **{"model.norm.weight": torch.zeros(63)}), "model.norm.weight"),
+    }
+    for name, (bad_sd, key) in variants.items():
+        try:
+            load_hf_into_model(model, groups, bad_sd)
+            results[name] = "no error"
+        except ConversionError as e:
+            results[name] = "ok" if key in str(e) else f"message lacks key: {e}"
+    return {"results": results, "ok": all(v == "ok" for v in results.values())}
+
+
+def case_logprobs(args, moe: bool, layout_name: str) -> dict:
+    """compute_logprobs (vocab-parallel, aligned) vs log_softmax of HF logits; packed vs one-at-a-time."""
+    hf, d = make_hf_model(moe, args.workdir)
+    ln = learner_for(LAYOUTS[layout_name], d)
+    batch = make_batch(5)
+    lp, ent = ln.compute_logprobs(batch, num_micro_batches=2, with_entropy=True)
+    ref = torch.log_softmax(hf_logits_per_seq(hf, batch), -1)
+    cu = batch.cu_seqlens
+    ref_lp = torch.zeros_like(lp)
+    ref_ent = torch.zeros_like(lp)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        ref_lp[a + 1:b] = ref[a:b - 1].gather(-1, batch.tokens[a + 1:b, None])[:, 0]
+        ref_ent[a + 1:b] = -(ref[a:b - 1].exp() * ref[a:b - 1]).sum(-1)
+    single = torch.cat([ln.compute_logprobs(batch.select([i]))[0] for i in range(batch.num_seqs)])
+    d_hf = float((lp - ref_lp).abs().max())
+    d_ent = float((ent - ref_ent).abs().max())
+    d_single = float((lp - single).abs().max())
+    return {"vs_hf": d_hf, "entropy_vs_hf": d_ent, "packed_vs_single": d_single,
+            "ok": d_hf <= PARITY_TOL and d_ent <= PARITY_TOL and d_single <= 1e-5}
+
+
+_REF: dict = {}
+
+
+def _train_once(args, layout_name: str, moe: bool, num_micro: int, steps: int = 1):
+    _, d = make_hf_model(moe, args.workdir)
+    ln = learner_for(LAYOUTS[layout_name], d)
+    batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    metrics = []
+    for _ in range(steps):
+        metrics.append(ln.train_step(dp_shard(batch, ln), PolicyGradientObjective(), num_micro_batches=num_micro))
+    params = dict(iter_hf_tensors(ln.model, ln.groups))
+    return metrics, params
+
+
+def case_invariance(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
+    """Same global batch and weights -> same loss, grad norm, updated params as the reference layout
+    (tp1 with DP over the world, one micro-batch). The first call records the reference."""
+    key = ("moe" if moe else "dense")
+    if key not in _REF:
+        _REF[key] = _train_once(args, "tp1", moe, 1, steps=2)
+    ref_m, ref_p = _REF[key]
+    m, p = _train_once(args, layout_name, moe, num_micro, steps=2)
+    d_loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(m, ref_m))
+    d_gn = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(m, ref_m))
+    d_par = max(float((p[k] - ref_p[k]).abs().max()) for k in ref_p)
+    d_par = max_over_world(d_par)
+    return {"loss": [x["loss"] for x in m], "grad_norm": [x["grad_norm"] for x in m], "d_loss": d_loss,
+            "d_grad_norm": d_gn, "d_params": d_par,
+            "ok": d_loss <= 1e-5 and d_gn <= 1e-5 * max(1.0, ref_m[0]["grad_norm"]) and d_par <= PARAM_TOL}
+
+
+CASES = {
+    "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
+    "invariance": case_invariance,
+}
+
+
+def run_case(spec: str, args) -> dict:
+    """``name:dense|moe:layout[:micro]``"""
+    parts = spec.split(":")
+    fn = CASES[parts[0]]
+    moe = parts[1] == "moe"
+    kw = {}
+    if len(parts) > 3:
+        kw["num_micro"] = int(parts[3])
+    return fn(args, moe, parts[2], **kw)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    init_distributed()
+    for spec in args.cases.split(","):
+        t0 = time.time()
+        try:
+            res = run_case(spec, args)
+        except Exception as e:  # report and continue: one failing case must not hide the others
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        res["seconds"] = round(time.time() - t0, 2)
+        res["case"] = spec
+        if dist.get_rank() == 0:
+            print("CASE " + json.dumps(res), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
