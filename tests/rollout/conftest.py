@@ -8,6 +8,7 @@ skip.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -38,12 +39,18 @@ def _require_vllm_venv() -> str:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_models, tmp_path_factory):
     """One real vLLM server on the v1 weights, bound to loopback, reachable through the
-    authenticating forwarder (which listens on another port, as it would on the node address)."""
+    authenticating forwarder (which listens on another port, as it would on the node address).
+
+    fp32 so that greedy decoding can be compared with transformers token for token: in bf16 the
+    eager CPU kernels flip a near-tied argmax of this random model (measured: token 8 of 16).
+    """
     python = _require_vllm_venv()
     work = tmp_path_factory.mktemp("vllm-server")
     cfg = VLLMServerConfig(model_dir=str(tiny_models["v1"]), python=python, served_model_name="tiny",
                            expose_host="127.0.0.1", work_dir=str(work), max_num_seqs=32,
-                           startup_timeout_s=240)
+                           dtype="float32", startup_timeout_s=240)
+    t0 = time.monotonic()
     server = launch_vllm(cfg)
+    print(f"\nvLLM server healthy after {time.monotonic() - t0:.1f} s")
     yield server
     server.stop()

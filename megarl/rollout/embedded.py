@@ -1,0 +1,199 @@
+"""The embedded engine: generation in this process with a Hugging Face causal LM.
+
+The default engine when no server is configured (one machine, tests, the CPU quickstart). It runs
+its own decode loop over the model's KV cache, so it returns exactly what the servers return:
+generated token ids (a matched stop token included), the raw model logprob of each sampled token
+(before temperature / top-p), and a finish reason. Requests are served one at a time in a worker
+thread; the ``n`` samples of a request decode together as one batch (same prompt, no padding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.types import EngineDeadError, GenerateRequest, GenerateResult, Sample
+from megarl.rollout.weights import check_weights_dir
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits [B, V] outside top-k / the top-p nucleus with -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    return logits
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model: torch.nn.Module, prompt_ids: Sequence[int],
+                            response_ids: Sequence[int]) -> torch.Tensor:
+    """log p(response[i] | prompt, response[:i]) under ``model`` in fp32 arithmetic: [R] float32.
+
+    This is how the learner recomputes the logprobs of rollout tokens (teacher forcing).
+    """
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long)
+    logits = model(input_ids=ids).logits[0].float()  # [P+R, V]
+    P, R = len(prompt_ids), len(response_ids)
+    logp = torch.log_softmax(logits[P - 1:P + R - 1], dim=-1)  # rows that scored the response tokens
+    return logp.gather(-1, torch.tensor(response_ids).unsqueeze(-1)).squeeze(-1)
+
+
+class EmbeddedEngine(RolloutEngine):
+    """``RolloutEngine`` over an in-process HF causal LM.
+
+    Args:
+      model: a ``transformers`` causal LM (eval mode is set here).
+      eos_token_ids: ids that end a sample unless ``ignore_eos`` (default: the model config's).
+      tokenizer: needed only for stop strings (``decode`` of the generated ids).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, name: str = "embedded", tokenizer: Any = None,
+                 eos_token_ids: Optional[Sequence[int]] = None, max_model_len: Optional[int] = None,
+                 max_concurrency: int = 64, weight_version: str = "0"):
+        cfg = model.config
+        super().__init__(name, max_concurrency=max_concurrency, vocab_size=int(cfg.vocab_size),
+                         max_model_len=max_model_len or int(getattr(cfg, "max_position_embeddings", 0)) or None,
+                         weight_version=weight_version)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos = getattr(cfg, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = list(eos_token_ids)
+        self._lock = threading.Lock()  # one request at a time on the model; weight loads wait for it
+        self._abort_flags: dict[str, threading.Event] = {}
+        self.dead_reason: Optional[str] = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                        **kw: Any) -> "EmbeddedEngine":
+        """Load a HF checkpoint directory (and its tokenizer, when present) into an engine."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if "tokenizer" not in kw and (Path(model_dir) / "tokenizer.json").exists():
+            from transformers import AutoTokenizer
+            kw["tokenizer"] = AutoTokenizer.from_pretrained(model_dir)
+        return cls(model, **kw)
+
+    # ----------------------------------------------------------------------------- generation
+    async def _generate(self, req: GenerateRequest) -> GenerateResult:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"{self.name}: engine is down ({self.dead_reason})")
+        flag = self._abort_flags.setdefault(req.request_id, threading.Event())
+        try:
+            samples = await asyncio.to_thread(self._generate_sync, req, flag)
+        finally:
+            self._abort_flags.pop(req.request_id, None)
+        return GenerateResult(prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name,
+                              request_id=req.request_id)
+
+    @torch.no_grad()
+    def _generate_sync(self, req: GenerateRequest, abort: threading.Event) -> list[Sample]:
+        sp, n = req.sampling, req.n
+        with self._lock:
+            version = self.weight_version
+            gen = torch.Generator()
+            gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,))))
+            stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+            ids = torch.tensor([list(req.prompt_ids)] * n, dtype=torch.long)  # [n, P]
+            out = self.model(input_ids=ids, use_cache=True)
+            tokens: list[list[int]] = [[] for _ in range(n)]
+            logprobs: list[list[float]] = [[] for _ in range(n)]
+            finish: list[Optional[str]] = [None] * n
+            stop_reason: list[Any] = [None] * n
+            for _step in range(sp.max_new_tokens):
+                if self.dead_reason is not None:
+                    raise EngineDeadError(f"{self.name}: engine shut down during generation ({self.dead_reason})")
+                if abort.is_set():
+                    break
+                logits = out.logits[:, -1, :].float()  # [n, V]
+                logp = torch.log_softmax(logits, dim=-1)
+                if sp.temperature == 0:
+                    nxt = logits.argmax(-1)
+                else:
+                    probs = torch.softmax(_filter_logits(logits / sp.temperature, sp.top_k, sp.top_p), dim=-1)
+                    nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                lp = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+                for i in range(n):
+                    if finish[i] is not None:
+                        continue
+                    t = int(nxt[i])
+                    tokens[i].append(t)
+                    logprobs[i].append(float(lp[i]))
+                    if t in stop_ids:
+                        finish[i], stop_reason[i] = "stop", (t if t in sp.stop_token_ids else None)
+                    elif sp.stop_strings and self.tokenizer is not None:
+                        text = self.tokenizer.decode(tokens[i])
+                        hit = next((s for s in sp.stop_strings if s in text), None)
+                        if hit is not None:
+                            finish[i], stop_reason[i] = "stop", hit
+                if all(f is not None for f in finish):
+                    break
+                out = self.model(input_ids=nxt.unsqueeze(-1), past_key_values=out.past_key_values, use_cache=True)
+            aborted = abort.is_set()
+            return [Sample(token_ids=tokens[i], logprobs=logprobs[i],
+                           finish_reason=finish[i] or ("abort" if aborted else "length"),
+                           weight_version=version, stop_reason=stop_reason[i]) for i in range(n)]
+
+    # ----------------------------------------------------------------------------- control
+    async def abort(self, request_id: Optional[str] = None) -> int:
+        """Stop decoding the request(s); callers get the tokens so far with finish_reason "abort"."""
+        ids = [request_id] if request_id is not None else list(self._abort_flags)
+        count = 0
+        for rid in ids:
+            flag = self._abort_flags.get(rid)
+            if flag is not None:
+                flag.set()
+                count += 1
+        return count
+
+    async def update_weights(self, weights_dir: str | os.PathLike, version: Optional[str] = None) -> None:
+        """Load a HF safetensors checkpoint into the model (after the running request finishes)."""
+        from safetensors.torch import load_file
+
+        names = set(self.model.state_dict().keys())
+        found = check_weights_dir(weights_dir)
+        missing = sorted(names - found)
+        if missing:
+            from megarl.rollout.types import WeightsDirError
+            raise WeightsDirError(f"{weights_dir}: tensors {missing[:5]} of the model are missing")
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(weights_dir).glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        await self.update_weights_from_tensors(state, version)
+
+    async def update_weights_from_tensors(self, state: dict[str, torch.Tensor], version: Optional[str] = None) -> None:
+        """Copy in-memory tensors (HF names) into the model; shapes must match."""
+        def load() -> None:
+            with self._lock:
+                own = self.model.state_dict()
+                for k, v in state.items():
+                    if k not in own:
+                        continue
+                    if own[k].shape != v.shape:
+                        raise ValueError(f"{self.name}: tensor {k} has shape {tuple(v.shape)}, "
+                                         f"model expects {tuple(own[k].shape)}")
+                    own[k].copy_(v)
+                if version is not None:
+                    self.weight_version = version
+        await asyncio.to_thread(load)
+
+    async def health(self) -> bool:
+        return self.dead_reason is None
+
+    def shutdown(self, reason: str = "shut down") -> None:
+        """Stop serving: in-flight requests fail at their next decode step, later ones at once."""
+        self.dead_reason = reason

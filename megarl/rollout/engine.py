@@ -1,0 +1,153 @@
+"""The rollout engine interface: async, token-in/token-out, bounded concurrency with backpressure.
+
+Every engine (vLLM client, SGLang client, embedded in-process model) implements ``_generate``
+and the control methods; this base class adds what they share: client-side validation of the
+prompt ids, a concurrency bound (callers above the bound wait: that is the backpressure), a
+pause gate, abort of in-flight requests and the weight-version label stamped on each sample.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+import os
+from typing import Optional, Sequence
+
+from megarl.rollout.types import (BadRequestError, GenerateRequest, GenerateResult, Sample, SamplingParams,
+                                  validate_prompt_ids)
+
+_request_counter = itertools.count()
+
+
+class RolloutEngine(abc.ABC):
+    """Base of every engine.
+
+    Args:
+      name: shown in every error and result (e.g. ``vllm@127.0.0.1:8000``).
+      max_concurrency: requests in flight at once; further ``generate`` calls wait for a slot.
+      vocab_size / max_model_len: client-side limits checked before anything is sent.
+    """
+
+    def __init__(self, name: str, max_concurrency: int = 32, vocab_size: Optional[int] = None,
+                 max_model_len: Optional[int] = None, weight_version: str = "0"):
+        if max_concurrency < 1:
+            raise ValueError(f"{name}: max_concurrency must be >= 1, got {max_concurrency}")
+        self.name = name
+        self.max_concurrency = max_concurrency
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.weight_version = weight_version
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._not_paused = asyncio.Event()
+        self._not_paused.set()
+        self._waiting = 0
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._aborted: set[str] = set()
+
+    # ----------------------------------------------------------------------------- generation
+    @property
+    def outstanding(self) -> int:
+        """Requests waiting for a slot plus requests in flight (used for load balancing)."""
+        return self._waiting + len(self._inflight)
+
+    async def generate(self, prompt_ids: Sequence[int], n: int = 1, sampling: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None, return_routed_experts: bool = False) -> GenerateResult:
+        """Generate ``n`` samples for one prompt of token ids.
+
+        Returns one ``Sample`` per sample with token ids, per-token logprobs, finish reason
+        ("stop" | "length" | "abort") and the weight version. Raises ``BadRequestError`` for bad
+        input (checked here before sending), ``EngineDeadError`` / ``EngineUnavailableError`` when
+        the engine cannot serve.
+        """
+        sampling = (sampling or SamplingParams()).validate()
+        if n < 1:
+            raise BadRequestError(f"{self.name}: n must be >= 1, got {n}")
+        ids = validate_prompt_ids(prompt_ids, self.vocab_size, self.name, self.max_model_len,
+                                  sampling.max_new_tokens)
+        rid = request_id or f"megarl-{os.getpid()}-{next(_request_counter)}"
+        req = GenerateRequest(prompt_ids=ids, n=n, sampling=sampling, request_id=rid,
+                              return_routed_experts=return_routed_experts)
+        self._waiting += 1
+        try:
+            await self._not_paused.wait()
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            await self._not_paused.wait()
+            version = self.weight_version
+            task = asyncio.ensure_future(self._generate(req))
+            self._inflight[rid] = task
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                if rid in self._aborted and task.cancelled():
+                    return self._aborted_result(req)
+                raise
+            for s in result.samples:
+                if s.weight_version is None:
+                    s.weight_version = version
+            return result
+        finally:
+            self._inflight.pop(rid, None)
+            self._aborted.discard(rid)
+            self._slots.release()
+
+    def _aborted_result(self, req: GenerateRequest) -> GenerateResult:
+        return GenerateResult(prompt_ids=list(req.prompt_ids), request_id=req.request_id, engine=self.name,
+                              samples=[Sample(token_ids=[], logprobs=[], finish_reason="abort",
+                                              weight_version=self.weight_version) for _ in range(req.n)])
+
+    @abc.abstractmethod
+    async def _generate(self, req: GenerateRequest) -> GenerateResult:
+        """Engine-specific generation of one validated request."""
+
+    # ----------------------------------------------------------------------------- control
+    async def abort(self, request_id: Optional[str] = None) -> int:
+        """Abort one in-flight request (or all with ``None``); their callers get finish_reason "abort".
+
+        Returns how many requests were aborted. The default cancels the HTTP call (servers abort
+        a request whose client disconnects); engines with an abort route override this.
+        """
+        ids = [request_id] if request_id is not None else list(self._inflight)
+        count = 0
+        for rid in ids:
+            task = self._inflight.get(rid)
+            if task is not None and not task.done():
+                self._aborted.add(rid)
+                task.cancel()
+                count += 1
+        return count
+
+    async def pause(self) -> None:
+        """Stop starting new requests (callers wait) and let the engine drain the in-flight ones."""
+        self._not_paused.clear()
+
+    async def resume(self) -> None:
+        """Start serving queued requests again."""
+        self._not_paused.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._not_paused.is_set()
+
+    @abc.abstractmethod
+    async def update_weights(self, weights_dir: str | os.PathLike, version: Optional[str] = None) -> None:
+        """Load new weights from a HF checkpoint directory; later samples carry ``version``."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the engine can serve a request now."""
+
+    async def close(self) -> None:
+        """Release client resources (not the server)."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, version={self.weight_version!r})"

@@ -1,0 +1,235 @@
+"""Start a vLLM server (from its own venv, locally or under an ``srun`` prefix) and wait for it.
+
+The server gets a per-job generation key through the environment (``VLLM_API_KEY``, not the
+command line) and binds to loopback. When ``expose_host`` is set (the node's job-network
+address), an authenticating forwarder (``megarl.rollout.auth_proxy``) listens there and is the
+only way in from other nodes: it checks the generation key on ``/v1/*`` and the admin key on the
+control routes, which vLLM itself leaves open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+from megarl.rollout.keys import RolloutKeys
+from megarl.rollout.types import RolloutError
+
+
+class ServerLaunchError(RolloutError):
+    """The server did not become healthy; the message carries the tail of its log."""
+
+
+def default_vllm_python() -> str:
+    """$MEGARL_VLLM_PYTHON, else ``.venv-vllm/bin/python`` at the repository root."""
+    env = os.environ.get("MEGARL_VLLM_PYTHON")
+    if env:
+        return env
+    return str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file (or a note that it is missing)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"<no log: {e}>"
+
+
+@dataclass
+class VLLMServerConfig:
+    """How to start one vLLM server. ``port=0`` picks a free port. ``command_prefix`` runs the
+    server (and the forwarder) under e.g. ``["srun", "--overlap", "-N1", "-n1", "-w", NODE]``."""
+
+    model_dir: str
+    python: str = field(default_factory=default_vllm_python)
+    served_model_name: str = "policy"
+    port: int = 0
+    expose_host: Optional[str] = None
+    expose_port: int = 0
+    dtype: str = "bfloat16"
+    max_model_len: int = 1024
+    max_num_seqs: int = 16
+    enforce_eager: bool = True
+    kv_cache_gib: int = 1
+    startup_timeout_s: float = 300.0
+    work_dir: Optional[str] = None
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    command_prefix: list[str] = field(default_factory=list)
+
+
+class VLLMServer:
+    """A running vLLM server (and its forwarder when exposed). Use ``launch_vllm`` to make one."""
+
+    def __init__(self, cfg: VLLMServerConfig, keys: RolloutKeys):
+        self.cfg, self.keys = cfg, keys
+        self.port = cfg.port or free_port()
+        self.work_dir = Path(cfg.work_dir or Path(cfg.model_dir).parent / f"vllm-{self.port}")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.work_dir / "server.log"
+        self.proc: Optional[subprocess.Popen] = None
+        self.proxy_proc: Optional[subprocess.Popen] = None
+        self.proxy_url: Optional[str] = None
+        cfg_json = json.loads((Path(cfg.model_dir) / "config.json").read_text())
+        self.vocab_size = int(cfg_json["vocab_size"])
+
+    @property
+    def loopback_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Where clients should connect: the forwarder when exposed, else loopback."""
+        return self.proxy_url or self.loopback_url
+
+    def command(self) -> list[str]:
+        c = self.cfg
+        cmd = [c.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model_dir),
+               "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs)]
+        if c.enforce_eager:
+            cmd.append("--enforce-eager")
+        return c.command_prefix + cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        cache = self.work_dir / "cache"
+        env = dict(os.environ)
+        env.update({
+            "VLLM_API_KEY": self.keys.api_key,  # the environment, not argv: /proc/PID/cmdline is public
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_cache_gib),
+            "VLLM_CACHE_ROOT": str(cache / "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "TRITON_CACHE_DIR": str(cache / "triton"),
+            "XDG_CACHE_HOME": str(cache),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.pop("VIRTUAL_ENV", None)
+        env.update(self.cfg.extra_env)
+        return env
+
+    def start(self) -> "VLLMServer":
+        """Start the server (and forwarder) and block until /health answers or raise ServerLaunchError."""
+        if not Path(self.cfg.python).exists() and not self.cfg.command_prefix:
+            raise ServerLaunchError(
+                f"vLLM python {self.cfg.python} does not exist: run `bash tests/setup/20-vllm.sh` "
+                "or set MEGARL_VLLM_PYTHON")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        try:
+            self._wait_healthy()
+            if self.cfg.expose_host:
+                self._start_proxy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerLaunchError(f"vLLM server exited with code {code} before becoming healthy; "
+                                        f"log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
+            try:
+                if httpx.get(self.loopback_url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerLaunchError(
+                    f"vLLM server not healthy after {self.cfg.startup_timeout_s:.0f} s; log {self.log_path}, "
+                    f"last lines:\n{log_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def _start_proxy(self) -> None:
+        host = self.cfg.expose_host
+        port = self.cfg.expose_port or free_port(host)
+        env = dict(os.environ)
+        env.update(self.keys.env())
+        cmd = self.cfg.command_prefix + [sys.executable, "-m", "megarl.rollout.auth_proxy",
+                                         "--listen", f"{host}:{port}", "--upstream", self.loopback_url]
+        self.proxy_proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proxy_proc.stdout], [], [], 1.0)
+            if ready:
+                line = self.proxy_proc.stdout.readline()
+                if line.startswith("READY "):
+                    self.proxy_url = line.split()[1]
+                    return
+                if not line and self.proxy_proc.poll() is not None:
+                    break
+        raise ServerLaunchError(f"auth forwarder on {host}:{port} did not start (exit {self.proxy_proc.poll()})")
+
+    def client(self, **kw):
+        """A ``VLLMEngine`` for this server with the job's keys and the model's limits."""
+        from megarl.rollout.vllm_client import VLLMEngine
+
+        kw.setdefault("api_key", self.keys.api_key)
+        kw.setdefault("admin_key", self.keys.admin_key)
+        kw.setdefault("vocab_size", self.vocab_size)
+        kw.setdefault("max_model_len", self.cfg.max_model_len)
+        kw.setdefault("reference_weights_dir", self.cfg.model_dir)
+        return VLLMEngine(self.url, self.cfg.served_model_name, **kw)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group at once (what a crashed node looks like to clients)."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Terminate forwarder and server (SIGTERM to the process group, SIGKILL after ``timeout_s``)."""
+        for p in (self.proxy_proc, self.proc):
+            if p is None or p.poll() is not None:
+                continue
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+            except ProcessLookupError:
+                pass
+        if self.proxy_proc is not None and self.proxy_proc.stdout is not None:
+            self.proxy_proc.stdout.close()
+
+    def __enter__(self) -> "VLLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_vllm(cfg: VLLMServerConfig, keys: Optional[RolloutKeys] = None) -> VLLMServer:
+    """Start a vLLM server with fresh per-job keys (unless given) and wait until it is healthy."""
+    return VLLMServer(cfg, keys or RolloutKeys.generate()).start()

@@ -1,0 +1,141 @@
+"""Client of a vLLM OpenAI-compatible server (token ids in, token ids + logprobs out).
+
+Generation: ``POST /v1/completions`` with the prompt as token ids, ``return_token_ids`` and
+``logprobs=0`` (the sampled token's logprob only). Weight reload (server started with
+``VLLM_SERVER_DEV_MODE=1``): ``/pause?mode=wait`` -> ``/collective_rpc reload_weights`` ->
+``/reset_prefix_cache`` -> ``/update_weight_version`` -> ``/resume``. The directory is checked
+before the reload is asked for, because a failed reload leaves vLLM's engine dead (measured:
+the next request crashes the worker while ``/health`` still answers 200); a failed reload
+therefore marks this server dead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from megarl.rollout.http_base import HttpEngine
+from megarl.rollout.types import (EngineDeadError, GenerateRequest, GenerateResult, RolloutError, Sample,
+                                  WeightsDirError)
+from megarl.rollout.weights import check_weights_dir
+
+
+class VLLMEngine(HttpEngine):
+    """``RolloutEngine`` over one vLLM server.
+
+    Args:
+      base_url: e.g. ``http://127.0.0.1:8000`` (or the authenticating forwarder's address).
+      model: the ``--served-model-name``.
+      reference_weights_dir: a checkpoint of the served model; its tensor names are what a new
+        weights directory must contain (checked before every reload).
+    """
+
+    def __init__(self, base_url: str, model: str, *, reference_weights_dir: Optional[str | os.PathLike] = None,
+                 **kw: Any):
+        kw.setdefault("name", f"vllm@{base_url.split('://')[-1].rstrip('/')}")
+        super().__init__(base_url, **kw)
+        self.model = model
+        self._reference_names = (check_weights_dir(reference_weights_dir)
+                                 if reference_weights_dir is not None else None)
+
+    def _completion_body(self, req: GenerateRequest) -> dict:
+        sp = req.sampling
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": list(req.prompt_ids), "n": req.n,
+            "max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+            "top_k": sp.top_k, "logprobs": 0, "return_token_ids": True, "ignore_eos": sp.ignore_eos,
+            "skip_special_tokens": False,
+        }
+        if sp.seed is not None:
+            body["seed"] = sp.seed
+        if sp.stop_token_ids:
+            body["stop_token_ids"] = list(sp.stop_token_ids)
+        if sp.stop_strings:
+            body["stop"] = list(sp.stop_strings)
+            body["include_stop_str_in_output"] = True
+        if req.return_routed_experts:
+            body["return_routed_experts"] = True
+        return body
+
+    async def _generate(self, req: GenerateRequest) -> GenerateResult:
+        body = await self.request("POST", "/v1/completions", json_body=self._completion_body(req))
+        try:
+            choices = sorted(body["choices"], key=lambda c: c["index"])
+            samples = []
+            for c in choices:
+                ids = [int(t) for t in c["token_ids"]]
+                lp = c.get("logprobs") or {}
+                logprobs = [float(x) for x in (lp.get("token_logprobs") or [])]
+                if len(logprobs) != len(ids):
+                    raise RolloutError(f"{self.name}: choice {c['index']} has {len(ids)} token ids but "
+                                       f"{len(logprobs)} logprobs")
+                samples.append(Sample(token_ids=ids, logprobs=logprobs, finish_reason=str(c["finish_reason"]),
+                                      stop_reason=c.get("stop_reason"), routed_experts=c.get("routed_experts")))
+        except (KeyError, TypeError) as e:
+            raise RolloutError(f"{self.name}: unexpected /v1/completions response (missing {e}): "
+                               f"{str(body)[:300]}") from e
+        if len(samples) != req.n:
+            raise RolloutError(f"{self.name}: asked for n={req.n} samples, got {len(samples)}")
+        return GenerateResult(prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name,
+                              request_id=req.request_id)
+
+    async def update_weights(self, weights_dir: str | os.PathLike, version: Optional[str] = None) -> None:
+        """Reload all weights from ``weights_dir`` while serving; in-flight requests finish first.
+
+        Raises ``WeightsDirError`` (nothing sent, server untouched) for a bad directory and
+        ``EngineDeadError`` (server marked dead) when the server fails the reload.
+        """
+        weights_dir = os.path.abspath(weights_dir)
+        check_weights_dir(weights_dir, self._reference_names)
+        await super().pause()  # hold new requests client-side while the server drains
+        try:
+            await self.request("POST", "/pause", params={"mode": "wait"}, admin=True)
+            try:
+                await self.request("POST", "/collective_rpc", admin=True,
+                                   json_body={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+            except RolloutError as e:
+                self.mark_dead(f"weight reload from {weights_dir} failed: {e}")
+                raise EngineDeadError(f"{self.name}: weight reload from {weights_dir} failed; the server "
+                                      f"must be restarted ({e})") from e
+            await self.request("POST", "/reset_prefix_cache", admin=True)
+            if version is not None:
+                await self.request("POST", "/update_weight_version", admin=True, json_body={"new_version": version})
+                self.weight_version = version
+            await self.request("POST", "/resume", admin=True)
+        finally:
+            await super().resume()
+
+    async def pause(self, mode: str = "wait") -> None:
+        """Pause the server (``mode``: "wait" drains in-flight requests, "abort" ends them, "keep"
+        freezes them) and hold new requests client-side."""
+        await super().pause()
+        await self.request("POST", "/pause", params={"mode": mode}, admin=True)
+
+    async def resume(self) -> None:
+        """Resume the server and release held requests."""
+        await self.request("POST", "/resume", admin=True)
+        await super().resume()
+
+    async def health(self) -> bool:
+        """``/health`` answers 200 and no failure marked this server dead (vLLM's /health stays 200
+        for a while after a failed reload, so the mark matters)."""
+        if self.dead_reason is not None:
+            return False
+        try:
+            await self.request("GET", "/health", expect_json=False, timeout_s=10.0)
+            return True
+        except RolloutError:
+            return False
+
+    async def server_weight_version(self) -> str:
+        """The version label the server reports (``/weight_info``)."""
+        body = await self.request("GET", "/weight_info")
+        return str(body["weight_version"])
+
+    async def model_info(self) -> dict:
+        """``/v1/models`` entry of the served model (``max_model_len`` etc.)."""
+        body = await self.request("GET", "/v1/models")
+        for m in body["data"]:
+            if m["id"] == self.model:
+                return m
+        raise RolloutError(f"{self.name}: model {self.model!r} not served (served: {[m['id'] for m in body['data']]})")
