@@ -285,6 +285,9 @@ class NodeLauncher:
                     next_health = time.monotonic() + self.opts.health_interval_s
             time.sleep(0.2)
         codes = [r.returncode for r in self.ranks]
+        peer_failure = self._peer_failure(rdv)
+        if self.stop_signal and peer_failure:  # srun --kill-on-bad-exit stopped us: a failure, not a pre-emption
+            raise LaunchFailure(f"stopped by {self.stop_signal} after {peer_failure}")
         if self.stop_signal:
             state, rc = "stopped", EXIT_REQUEUE
             self.log(f"learner ranks stopped after {self.stop_signal} (exit codes {codes}); exit {rc} for requeue")
@@ -296,6 +299,16 @@ class NodeLauncher:
         if plan.node_rank == 0:
             rdv.set_learner_state(state)
         return rc
+
+    def _peer_failure(self, rdv: Rendezvous) -> str | None:
+        """What another node reported: a dead rollout node or a failed learner node (None when nothing)."""
+        dead = rdv.dead_nodes()
+        if dead:
+            node, reason = next(iter(dead.items()))
+            return f"rollout node {node} died: {reason}"
+        if rdv.learner_state() == "failed":
+            return "another learner node failed"
+        return None
 
     def _health_round(self, addresses: dict[str, list[str]], failures: dict[str, int]) -> None:
         for node, urls in addresses.items():
