@@ -90,6 +90,7 @@ class Sample:
     weight_version: Optional[str] = None
     stop_reason: Optional[object] = None
     routed_experts: Optional[list] = None
+    meta: dict = field(default_factory=dict)  # engine-specific extras (e.g. SGLang input logprobs)
 
 
 @dataclass
