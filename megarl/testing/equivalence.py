@@ -64,49 +64,61 @@ def split_sequences(num_seqs: int, parts: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def megarl_loss_and_grad(case: Case, tp: int, dp: int = 1, micro_batches: int = 1,
-                         objective: Optional[Callable] = None,
-                         run_tp: Optional[Callable[[int, Callable[[int, Any], Any]], list]] = None,
-                         chunk_tokens: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of megarl loss contributions over DP ranks and micro-batches, and the packed [T, V] gradient.
+def megarl_rank_loss_and_grad(case: Case, rank: int, group: Any, tp: int, dp: int = 1, micro_batches: int = 1,
+                              objective: Optional[Callable] = None, chunk_tokens: int = 3
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What TP rank ``rank`` computes: the summed loss contributions of every DP shard and
+    micro-batch (DP ranks are played one after the other), and its gradient shard [T, V/tp].
 
-    ``run_tp(tp, fn)`` runs ``fn(rank, group)`` on tp ranks (default: SimulatedWorld threads).
-    Sequences are split contiguously over DP ranks, then each rank's share into micro-batches.
+    Sequences are split contiguously over DP ranks, then each DP share into micro-batches.
     """
     b = case.batch
     objective = objective or build_objective(case.cfg)
-    run_tp = run_tp or (lambda n, fn: SimulatedWorld(n).run(fn))
     V = case.logits.shape[-1]
     if V % tp:
         raise ValueError(f"vocabulary {V} is not divisible by tp={tp}")
     dp_shards = split_sequences(b.num_seqs, dp)
-    dp_world = SimulatedWorld(len(dp_shards))
     max_len = case.extra.get("max_len") or 0.0
+    dp_world = SimulatedWorld(len(dp_shards))
     norms = dp_world.run(lambda r, g: GlobalNormalisers.from_batch(b.select(dp_shards[r]), g, max_len))
-    grad = torch.zeros_like(case.logits)
+    logits = case.logits.chunk(tp, -1)[rank]
+    teacher = None if case.teacher_logits is None else case.teacher_logits.chunk(tp, -1)[rank]
+    grad = torch.zeros_like(logits)
     total = torch.zeros((), dtype=torch.float64)
     starts = b.cu_seqlens[:-1]
     for r, shard in enumerate(dp_shards):
         for mb_ids in split_sequences(len(shard), micro_batches):
             ids = [shard[i] for i in mb_ids]
-            mb = b.select(ids)
             tok_idx = torch.cat([torch.arange(int(starts[i]), int(starts[i]) + int(b.seq_lens[i])) for i in ids])
-            logits_mb = case.logits[tok_idx]
-            teacher_mb = None if case.teacher_logits is None else case.teacher_logits[tok_idx]
+            shard_logits = logits[tok_idx].clone().requires_grad_(True)
+            ctx = LossContext(normalisers=norms[r], tp_group=group, chunk_tokens=chunk_tokens,
+                              teacher_logits=None if teacher is None else teacher[tok_idx])
+            out = objective(shard_logits, b.select(ids), ctx)
+            out.loss.backward()
+            total = total + out.loss.detach().double()
+            grad[tok_idx] = shard_logits.grad
+    return total.to(logits.dtype), grad
 
-            def body(rank: int, group: Any):
-                shard_logits = logits_mb.chunk(tp, -1)[rank].clone().requires_grad_(True)
-                t_shard = None if teacher_mb is None else teacher_mb.chunk(tp, -1)[rank].clone()
-                ctx = LossContext(normalisers=norms[r], tp_group=group, chunk_tokens=chunk_tokens,
-                                  teacher_logits=t_shard)
-                out = objective(shard_logits, mb, ctx)
-                out.loss.backward()
-                return out.loss.detach(), shard_logits.grad
 
-            outs = run_tp(tp, body)
-            for o in outs[1:]:
-                if not torch.equal(o[0], outs[0][0]):
-                    raise AssertionError(f"TP ranks disagree on the loss: {outs[0][0]} vs {o[0]}")
-            total = total + outs[0][0].double()
-            grad[tok_idx] = torch.cat([o[1] for o in outs], -1)
-    return total.to(case.logits.dtype), grad
+def megarl_loss_and_grad(case: Case, tp: int, dp: int = 1, micro_batches: int = 1,
+                         objective: Optional[Callable] = None, chunk_tokens: int = 3
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss (checked identical on every TP rank) and the full packed gradient [T, V], with TP
+    ranks simulated as threads."""
+    outs = SimulatedWorld(tp).run(lambda rank, group: megarl_rank_loss_and_grad(
+        case, rank, group, tp, dp, micro_batches, objective, chunk_tokens))
+    return gather_rank_results(outs)
+
+
+def gather_rank_results(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check that all TP ranks report the same loss; concatenate their gradient shards."""
+    for r, o in enumerate(outs[1:], start=1):
+        if not torch.equal(o[0], outs[0][0]):
+            raise AssertionError(f"TP rank {r} reports loss {float(o[0])}, rank 0 {float(outs[0][0])}")
+    return outs[0][0], torch.cat([o[1] for o in outs], -1)
+
+
+def gloo_case_entry(rank: int, group: Any, payload: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """GlooPool entry point: payload = (case, tp, dp, micro_batches)."""
+    case, tp, dp, mb = payload
+    return megarl_rank_loss_and_grad(case, rank, group, tp, dp, mb)

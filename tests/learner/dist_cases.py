@@ -242,20 +242,50 @@ def case_invariance(args, moe: bool, layout_name: str, num_micro: int = 2) -> di
             "ok": d_loss <= 1e-5 and d_gn <= 1e-5 * max(1.0, ref_m[0]["grad_norm"]) and d_par <= PARAM_TOL}
 
 
+def case_checkpoint(args, moe: bool, layout_name: str, load_layout: str | None = None) -> dict:
+    """save -> load -> one more step equals the uninterrupted run; load under ``load_layout``."""
+    from megarl.learner.checkpoint import load_checkpoint, save_checkpoint
+
+    _, d = make_hf_model(moe, args.workdir)
+    batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    ckpt = os.path.join(args.workdir, f"ckpt-{'moe' if moe else 'dense'}-{layout_name}-{load_layout}")
+    ln = learner_for(LAYOUTS[layout_name], d, optim=OptimConfig(lr=1e-3, adam_eps=1e-6, lr_warmup_steps=1,
+                                                               lr_decay_steps=5, lr_decay_style="cosine"))
+    ln.train_step(dp_shard(batch, ln), PolicyGradientObjective(), num_micro_batches=1)
+    save_checkpoint(ln, ckpt)
+    m_ref = ln.train_step(dp_shard(batch, ln), PolicyGradientObjective(), num_micro_batches=1)
+    p_ref = dict(iter_hf_tensors(ln.model, ln.groups))
+    ln2 = learner_for(LAYOUTS[load_layout or layout_name], d,
+                      optim=OptimConfig(lr=1e-3, adam_eps=1e-6, lr_warmup_steps=1, lr_decay_steps=5,
+                                        lr_decay_style="cosine"))
+    meta = load_checkpoint(ln2, ckpt)
+    m = ln2.train_step(dp_shard(batch, ln2), PolicyGradientObjective(), num_micro_batches=1)
+    p = dict(iter_hf_tensors(ln2.model, ln2.groups))
+    d_par = max_over_world(max(float((p[k] - p_ref[k]).abs().max()) for k in p_ref))
+    same = load_layout in (None, layout_name)
+    tol = 0.0 if same else PARAM_TOL
+    res = {"step": ln2.step, "lr": [m_ref["lr"], m["lr"]], "loss": [m_ref["loss"], m["loss"]],
+           "d_params": d_par, "d_loss": abs(m["loss"] - m_ref["loss"]), "rng_restored": meta["rng_restored"],
+           "tmp_left": os.path.exists(ckpt + ".tmp-megarl")}
+    res["ok"] = (d_par <= tol and res["d_loss"] <= (0.0 if same else 1e-5) and ln2.step == 2
+                 and m["lr"] == m_ref["lr"] and not res["tmp_left"])
+    return res
+
+
 CASES = {
     "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
-    "invariance": case_invariance,
+    "invariance": case_invariance, "checkpoint": case_checkpoint,
 }
 
 
 def run_case(spec: str, args) -> dict:
-    """``name:dense|moe:layout[:micro]``"""
+    """``name:dense|moe:layout[:micro | :load_layout]``"""
     parts = spec.split(":")
     fn = CASES[parts[0]]
     moe = parts[1] == "moe"
     kw = {}
     if len(parts) > 3:
-        kw["num_micro"] = int(parts[3])
+        kw = {"num_micro": int(parts[3])} if parts[3].isdigit() else {"load_layout": parts[3]}
     return fn(args, moe, parts[2], **kw)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -84,7 +85,9 @@ def need_nodes(cluster: SlurmCluster, n: int) -> None:
 def work() -> Path:
     d = Path(tempfile.mkdtemp(prefix="megarl-slurm-jobs-"))
     os.chmod(d, 0o755)
-    return d
+    yield d
+    if not os.environ.get("MEGARL_KEEP_SLURM_STATE"):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +192,34 @@ def test_rollout_node_cut_off_is_named(slurm_cluster: SlurmCluster, work: Path, 
     text = job.text()
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", text
     assert "requeueing" not in text and "exit 99" not in text
+
+
+def test_rollout_server_exit_is_named(slurm_cluster: SlurmCluster, work: Path, jobs):
+    """The rollout server process on node3 dies (kill -9): node3 reports it, node1 fails the job naming node3."""
+    need_nodes(slurm_cluster, 3)
+    c = slurm_cluster
+    job = submit(c, "multi_node.sbatch", work, "srvdeath", ["--nodes=3"], {
+        "MEGARL_LEARNER_NODES": "2", "MEGARL_ROLLOUT_PORT": "18400", "MEGARL_ROLLOUT_CMD": STANDIN,
+        "MEGARL_LEARNER_CMD": "sleep 300"})
+    wait_text(job, r"\[megarl.launch node1\] starting 1 learner rank", timeout=60)
+    pids = c.cmd("ip", "netns", "pids", c.netns_of("node3")).stdout.split()
+    killed = 0
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"megarl.launch.standin_server" in cmdline and b"18400" in cmdline:
+            os.kill(int(pid), 9)
+            killed += 1
+    assert killed == 1
+    info = wait_state(c, job, FINAL, timeout=60)
+    text = job.text()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", text
+    assert "[megarl.launch node3] ERROR rollout node node3 lost its rollout server 0 on node3 (port 18400): " \
+           "exited with code -9" in text
+    assert "[megarl.launch node1] ERROR rollout node node3 died: " in text
+    assert "requeueing" not in text
 
 
 def test_proxy_template_runs_learner_only(slurm_cluster: SlurmCluster, jobs):
