@@ -75,6 +75,7 @@ class EmbeddedEngine(RolloutEngine):
         self._lock = threading.Lock()  # one request at a time on the model; weight loads wait for it
         self._abort_flags: dict[str, threading.Event] = {}
         self.dead_reason: Optional[str] = None
+        self._cache_arg: Optional[str] = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -142,11 +143,22 @@ class EmbeddedEngine(RolloutEngine):
                             finish[i], stop_reason[i] = "stop", hit
                 if all(f is not None for f in finish):
                     break
-                out = self.model(input_ids=nxt.unsqueeze(-1), past_key_values=out.past_key_values, use_cache=True)
+                out = self.model(input_ids=nxt.unsqueeze(-1), use_cache=True, **self._cache_kw(out))
             aborted = abort.is_set()
             return [Sample(token_ids=tokens[i], logprobs=logprobs[i],
                            finish_reason=finish[i] or ("abort" if aborted else "length"),
                            weight_version=version, stop_reason=stop_reason[i]) for i in range(n)]
+
+    def _cache_kw(self, out: Any) -> dict:
+        # transformers >= 5.2x names the KV cache ``cache``; older releases ``past_key_values``.
+        if self._cache_arg is None:
+            import inspect
+            params = inspect.signature(self.model.forward).parameters
+            self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = out.past_key_values
+        return {self._cache_arg: cache}
 
     # ----------------------------------------------------------------------------- control
     async def abort(self, request_id: Optional[str] = None) -> int:
