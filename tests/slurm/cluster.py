@@ -49,7 +49,7 @@ class SlurmCluster:
 
     state_dir: Path
     n_nodes: int = 3
-    cpus_per_node: int = 2
+    cpus_per_node: int = 8  # more than the machine has (config_overrides): jobs share nodes instead of queueing
     node_names: list[str] = field(default_factory=list)
     node_addrs: dict[str, str] = field(default_factory=dict)
     fallback_reason: str | None = None
@@ -175,6 +175,7 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
             "JobCompType=jobcomp/none", "MailProg=/bin/true",
             "SlurmdTimeout=30", "KillWait=5", "MinJobAge=300",
+            "SlurmdParameters=config_overrides",  # trust CPUs= below, not the 2 cores slurmd detects
         ]
         if self._netns:
             lines.append(f"SlurmdPort={_free_port()}")
