@@ -1,15 +1,20 @@
-"""Start a vLLM server (from its own venv, locally or under an ``srun`` prefix) and wait for it.
+"""Start a vLLM or SGLang server (from its own venv, locally or under an ``srun`` prefix) and wait for it.
 
 The server gets a per-job generation key through the environment (``VLLM_API_KEY``, not the
 command line) and binds to loopback. When ``expose_host`` is set (the node's job-network
 address), an authenticating forwarder (``megarl.rollout.auth_proxy``) listens there and is the
 only way in from other nodes: it checks the generation key on ``/v1/*`` and the admin key on the
 control routes, which vLLM itself leaves open.
+
+SGLang separates a generation key (``--api-key``) from an admin key (``--admin-api-key``) on
+every control route itself, so it binds directly to the chosen address; its keys go into a
+0600 YAML file passed with ``--config`` (never on the command line).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import select
 import signal
@@ -140,31 +145,13 @@ class VLLMServer:
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         try:
-            self._wait_healthy()
+            _wait_healthy(self.proc, self.loopback_url, self.log_path, self.cfg.startup_timeout_s, "vLLM")
             if self.cfg.expose_host:
                 self._start_proxy()
         except BaseException:
             self.stop()
             raise
         return self
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise ServerLaunchError(f"vLLM server exited with code {code} before becoming healthy; "
-                                        f"log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
-            try:
-                if httpx.get(self.loopback_url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerLaunchError(
-                    f"vLLM server not healthy after {self.cfg.startup_timeout_s:.0f} s; log {self.log_path}, "
-                    f"last lines:\n{log_tail(self.log_path)}")
-            time.sleep(0.5)
 
     def _start_proxy(self) -> None:
         host = self.cfg.expose_host
@@ -233,3 +220,140 @@ class VLLMServer:
 def launch_vllm(cfg: VLLMServerConfig, keys: Optional[RolloutKeys] = None) -> VLLMServer:
     """Start a vLLM server with fresh per-job keys (unless given) and wait until it is healthy."""
     return VLLMServer(cfg, keys or RolloutKeys.generate()).start()
+
+
+def default_sglang_python() -> str:
+    """$MEGARL_SGLANG_PYTHON, else ``.venv-sglang/bin/python`` at the repository root."""
+    env = os.environ.get("MEGARL_SGLANG_PYTHON")
+    if env:
+        return env
+    return str(Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python")
+
+
+@dataclass
+class SGLangServerConfig:
+    """How to start one SGLang server (GPU machines; SGLang has no CPU wheel). ``host`` is
+    127.0.0.1 when colocated, else the node's job-network address."""
+
+    model_dir: str
+    python: str = field(default_factory=default_sglang_python)
+    host: str = "127.0.0.1"
+    port: int = 0
+    dtype: str = "bfloat16"
+    context_length: int = 1024
+    mem_fraction_static: float = 0.3
+    startup_timeout_s: float = 600.0
+    work_dir: Optional[str] = None
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    command_prefix: list[str] = field(default_factory=list)
+
+
+class SGLangServer:
+    """A running SGLang server. Use ``launch_sglang`` to make one."""
+
+    def __init__(self, cfg: SGLangServerConfig, keys: RolloutKeys):
+        self.cfg, self.keys = cfg, keys
+        self.port = cfg.port or free_port(cfg.host)
+        self.work_dir = Path(cfg.work_dir or Path(cfg.model_dir).parent / f"sglang-{self.port}")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.work_dir / "server.log"
+        self.proc: Optional[subprocess.Popen] = None
+        cfg_json = json.loads((Path(cfg.model_dir) / "config.json").read_text())
+        self.vocab_size = int(cfg_json["vocab_size"])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    def _write_key_config(self) -> Path:
+        path = self.work_dir / "sglang-keys.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"api-key: {json.dumps(self.keys.api_key)}\nadmin-api-key: {json.dumps(self.keys.admin_key)}\n")
+        os.chmod(path, 0o600)
+        return path
+
+    def command(self, key_config: Path) -> list[str]:
+        c = self.cfg
+        return c.command_prefix + [
+            c.python, "-m", "sglang.launch_server", "--config", str(key_config), "--model-path", str(c.model_dir),
+            "--host", c.host, "--port", str(self.port), "--dtype", c.dtype,
+            "--context-length", str(c.context_length), "--mem-fraction-static", str(c.mem_fraction_static),
+        ] + list(c.extra_args)
+
+    def start(self) -> "SGLangServer":
+        """Start the server and block until /health answers or raise ServerLaunchError."""
+        if not Path(self.cfg.python).exists() and not self.cfg.command_prefix:
+            raise ServerLaunchError(f"SGLang python {self.cfg.python} does not exist: set MEGARL_SGLANG_PYTHON")
+        cmd = self.command(self._write_key_config())
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        env.update(self.cfg.extra_env)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {shlex.join(cmd)}\n".encode())
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            _wait_healthy(self.proc, self.url, self.log_path, self.cfg.startup_timeout_s, "SGLang")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def client(self, **kw):
+        """An ``SGLangEngine`` for this server with the job's keys and the model's limits."""
+        from megarl.rollout.sglang_client import SGLangEngine
+
+        kw.setdefault("api_key", self.keys.api_key)
+        kw.setdefault("admin_key", self.keys.admin_key)
+        kw.setdefault("vocab_size", self.vocab_size)
+        kw.setdefault("max_model_len", self.cfg.context_length)
+        kw.setdefault("reference_weights_dir", self.cfg.model_dir)
+        return SGLangEngine(self.url, **kw)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``timeout_s``."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise ServerLaunchError(f"{what} server exited with code {code} before becoming healthy; "
+                                    f"log {log_path}, last lines:\n{log_tail(log_path)}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerLaunchError(f"{what} server not healthy after {timeout_s:.0f} s; log {log_path}, "
+                                    f"last lines:\n{log_tail(log_path)}")
+        time.sleep(0.5)
+
+
+def launch_sglang(cfg: SGLangServerConfig, keys: Optional[RolloutKeys] = None) -> SGLangServer:
+    """Start an SGLang server with fresh per-job keys (unless given) and wait until it is healthy."""
+    return SGLangServer(cfg, keys or RolloutKeys.generate()).start()
