@@ -1,0 +1,131 @@
+"""Rollout client benchmark against a real vLLM CPU server (tiny random Qwen3 models).
+
+Measures (figures go to stdout as JSON lines and, with --out, to a file):
+  1. throughput of the client with 1 vs 32 concurrent requests (generated tokens/s, and the ratio);
+  2. client overhead per request: megarl's VLLMEngine vs a bare httpx POST of the same body
+     (sequential 1-token requests; the difference is what the client adds);
+  3. weight-reload time (pause, reload_weights, reset_prefix_cache, resume) vs checkpoint size,
+     one server per model size.
+
+Usage: .venv/bin/python benchmarks/rollout_vllm.py [--sizes small,medium,large] [--out FILE]
+Needs the vLLM venv (bash tests/setup/20-vllm.sh). Takes several minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from megarl.rollout.launcher import VLLMServerConfig, launch_vllm
+from megarl.rollout.testing_models import build_tiny_qwen3
+from megarl.rollout.types import SamplingParams
+
+PROMPT = [586, 28, 594, 289, 370, 13, 20, 33, 201, 591, 28]
+SIZES = {  # config overrides of the tiny-qwen3 fixture
+    "small": {},
+    "medium": {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "layer_types": ["full_attention"] * 4},
+    "large": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+              "num_key_value_heads": 4, "layer_types": ["full_attention"] * 8},
+}
+
+
+def emit(out, **rec):
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+async def throughput(server, concurrency: int, requests: int, new_tokens: int) -> dict:
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    async with server.client(max_concurrency=concurrency) as eng:
+        await eng.generate(PROMPT, sampling=sp)  # warm-up
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(eng.generate(PROMPT, sampling=SamplingParams(
+            max_new_tokens=new_tokens, ignore_eos=True, seed=i)) for i in range(requests)))
+        dt = time.perf_counter() - t0
+    toks = sum(len(s.token_ids) for r in res for s in r.samples)
+    return {"concurrency": concurrency, "requests": requests, "tokens": toks, "seconds": round(dt, 3),
+            "tokens_per_s": round(toks / dt, 1)}
+
+
+async def client_overhead(server, n: int) -> dict:
+    body_sp = SamplingParams(max_new_tokens=1, temperature=0.0)
+    async with server.client() as eng:
+        body = eng._completion_body(type("R", (), {"prompt_ids": PROMPT, "n": 1, "sampling": body_sp,
+                                                   "return_routed_experts": False})())
+        headers = {"Authorization": f"Bearer {server.keys.api_key}"}
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as raw:
+            for _ in range(5):
+                await raw.post("/v1/completions", json=body, headers=headers)
+                await eng.generate(PROMPT, sampling=body_sp)
+            raw_t, cli_t = [], []
+            for _ in range(n):  # interleaved so that drift hits both equally
+                t = time.perf_counter()
+                r = await raw.post("/v1/completions", json=body, headers=headers)
+                r.json()
+                raw_t.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await eng.generate(PROMPT, sampling=body_sp)
+                cli_t.append(time.perf_counter() - t)
+    med_raw, med_cli = statistics.median(raw_t), statistics.median(cli_t)
+    return {"requests": n, "raw_httpx_median_ms": round(med_raw * 1e3, 3), "client_median_ms": round(med_cli * 1e3, 3),
+            "client_overhead_ms": round((med_cli - med_raw) * 1e3, 3)}
+
+
+async def reload_times(server, dirs: list[Path], repeats: int) -> list[float]:
+    out = []
+    async with server.client() as eng:
+        for i in range(repeats):
+            t = time.perf_counter()
+            await eng.update_weights(dirs[i % 2], version=str(i))
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="small,medium,large")
+    p.add_argument("--out", default=None)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="megarl-bench-"))
+    emit(args.out, bench="env", cpus=os.cpu_count(), load_avg=os.getloadavg(), dtype=args.dtype)
+    for k, size in enumerate(args.sizes.split(",")):
+        a = build_tiny_qwen3(work / f"{size}-a", seed=0, config_overrides=SIZES[size])
+        b = build_tiny_qwen3(work / f"{size}-b", seed=1, config_overrides=SIZES[size])
+        nbytes = sum(f.stat().st_size for f in a.glob("*.safetensors"))
+        t0 = time.perf_counter()
+        server = launch_vllm(VLLMServerConfig(model_dir=str(a), dtype=args.dtype, served_model_name="bench",
+                                              expose_host="127.0.0.1", max_num_seqs=32,
+                                              work_dir=str(work / f"srv-{size}")))
+        start_s = time.perf_counter() - t0
+        try:
+            if k == 0:
+                one = asyncio.run(throughput(server, 1, args.requests // 4, args.new_tokens))
+                many = asyncio.run(throughput(server, 32, args.requests, args.new_tokens))
+                emit(args.out, bench="throughput", model=size, one=one, many=many,
+                     ratio_32_over_1=round(many["tokens_per_s"] / one["tokens_per_s"], 2))
+                emit(args.out, bench="client_overhead", model=size, **asyncio.run(client_overhead(server, 100)))
+            times = asyncio.run(reload_times(server, [b, a], 6))
+            emit(args.out, bench="reload", model=size, checkpoint_mb=round(nbytes / 2**20, 2),
+                 server_start_s=round(start_s, 1), reload_median_s=round(statistics.median(times), 3),
+                 reload_all_s=[round(t, 3) for t in times])
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
