@@ -24,12 +24,18 @@ def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = Tr
     """GRPO group-relative advantage.
 
     A_i = (R_i - mean_g R) / (std_g R + ε)     (std unbiased; scale_by_std=False gives Dr.GRPO: R_i - mean_g R)
+    A group whose rewards are all equal gets A = 0 exactly.
     Provenance: DeepSeekMath (Shao et al. 2024); Dr.GRPO (Liu et al. 2025) drops the std.
     rewards, group_ids: [B] -> [B]
     """
     mean, std = _group_stats(rewards, group_ids)
     adv = rewards - mean
-    return adv / (std + eps) if scale_by_std else adv
+    adv = adv / (std + eps) if scale_by_std else adv
+    for g in torch.unique(group_ids):  # all rewards equal: exactly 0, not an ulp divided by ε
+        sel = group_ids == g
+        if rewards[sel].max() == rewards[sel].min():
+            adv[sel] = 0.0
+    return adv
 
 
 def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -47,7 +53,7 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         sel = group_ids == g
         r = rewards[sel]
         G = r.numel()
-        if G > 1:
+        if G > 1 and r.max() != r.min():
             adv[sel] = r - (r.sum() - r) / (G - 1)
     return adv
 
@@ -55,6 +61,8 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / (std + eps) over the masked entries (std unbiased)."""
     v = x[mask.bool()]
+    if v.numel() == 0 or bool(v.max() == v.min()):
+        return torch.zeros_like(x)  # all equal: exactly 0, not ulp noise divided by eps
     mean = v.mean()
     std = v.std(unbiased=True) if v.numel() > 1 else torch.zeros((), dtype=x.dtype)
     return (x - mean) / (std + eps) * mask

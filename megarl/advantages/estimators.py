@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from megarl.batch import PackedBatch
-from megarl.ops.segments import broadcast_to_tokens, group_leave_one_out_mean, group_mean, group_std
+from megarl.ops.segments import (broadcast_to_tokens, group_all_equal, group_leave_one_out_mean, group_mean,
+                                 group_std)
 from megarl.registry import Registry
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage_estimator")
@@ -23,9 +24,15 @@ def _scalar_rewards(batch: PackedBatch) -> torch.Tensor:
 
 
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """(R - mean_g R) / (std_g R + eps), std unbiased; [B] -> [B]."""
+    """(R - mean_g R) / (std_g R + eps), std unbiased; [B] -> [B].
+
+    A group whose rewards are all equal gets exactly 0 (the float mean may differ from the common
+    value by an ulp, which the 1/eps scale would blow up to ~1e-11 instead of 0).
+    """
     adv = rewards - group_mean(rewards, group_ids)
-    return adv / (group_std(rewards, group_ids) + eps) if scale_by_std else adv
+    if scale_by_std:
+        adv = adv / (group_std(rewards, group_ids) + eps)
+    return torch.where(group_all_equal(rewards, group_ids), torch.zeros_like(adv), adv)
 
 
 def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -35,7 +42,8 @@ def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """R - mean of the other members of the group (0 for a group of one); [B] -> [B]."""
-    return rewards - group_leave_one_out_mean(rewards, group_ids)
+    adv = rewards - group_leave_one_out_mean(rewards, group_ids)
+    return torch.where(group_all_equal(rewards, group_ids), torch.zeros_like(adv), adv)
 
 
 def _compact(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor):
@@ -76,6 +84,8 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, c
 
 def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     v = x[mask.bool()]
+    if v.numel() == 0 or bool(v.max() == v.min()):
+        return torch.zeros_like(x)  # all equal: exactly 0, not ulp noise divided by eps
     std = v.std(unbiased=True) if v.numel() > 1 else torch.zeros((), dtype=x.dtype)
     return (x - v.mean()) / (std + eps) * mask.to(x.dtype)
 

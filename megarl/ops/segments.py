@@ -63,3 +63,11 @@ def group_leave_one_out_mean(x: torch.Tensor, group_ids: torch.Tensor) -> torch.
     """Mean of the *other* members of each sequence's group (x itself for a group of one)."""
     s, c = group_sum(x, group_ids)
     return torch.where(c > 1, (s - x) / (c - 1).clamp(min=1), x)
+
+
+def group_all_equal(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """True where every member of the sequence's group has exactly the same value: [B] -> [B] bool."""
+    inv, G = _dense_groups(group_ids)
+    hi = torch.full((G,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce(0, inv, x, "amax")
+    lo = torch.full((G,), torch.inf, dtype=x.dtype, device=x.device).scatter_reduce(0, inv, x, "amin")
+    return (hi == lo)[inv]
