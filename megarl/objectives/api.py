@@ -59,7 +59,7 @@ class LossContext:
 
     normalisers: GlobalNormalisers
     tp_group: Optional[dist.ProcessGroup] = None  # vocab-parallel group of the logits; None = TP 1
-    chunk_tokens: int = 4096  # token chunk of the vocab-parallel ops (bounds the fp32 copy)
+    chunk_tokens: Optional[int] = None  # token chunk of the vocab-parallel ops; None: ~2**24 elements
     step: int = 0  # optimizer step (for schedules inside objectives)
     teacher_logits: Optional[torch.Tensor] = None  # [T, V/tp], same sharding, for full-vocab distillation
 

@@ -27,8 +27,12 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _chunks(T: int, chunk: int):
-    chunk = max(int(chunk), 1)
+# Default token chunk: as many rows as fit in about 2**24 elements (64 MiB of fp32) per temporary.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(T: int, chunk: int | None, width: int = 1):
+    chunk = max(int(chunk), 1) if chunk else max(CHUNK_ELEMENTS // max(width, 1), 1)
     for s in range(0, T, chunk):
         yield s, min(s + chunk, T)
 
@@ -61,7 +65,7 @@ class _LogprobEntropy(torch.autograd.Function):
     """Target log-prob and (optionally) entropy of sharded logits, chunked, with custom backward."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, chunk, with_entropy):
+    def forward(ctx, logits, targets, group, chunk, with_entropy, inplace_backward=False):
         T = logits.shape[0]
         acc = _acc_dtype(logits)
         v0, v1 = _vocab_range(logits, group)
@@ -70,7 +74,7 @@ class _LogprobEntropy(torch.autograd.Function):
         lmax = torch.empty(T, dtype=acc, device=logits.device)
         partial = torch.zeros(2, T, dtype=acc, device=logits.device)  # Σ e^(z-m), Σ e^(z-m)·z
         tgt = torch.zeros(1, T, dtype=acc, device=logits.device)  # target logit (on its owner rank)
-        for s, e in _chunks(T, chunk):
+        for s, e in _chunks(T, chunk, logits.shape[-1]):
             z = logits[s:e].to(acc)
             m = z.max(-1).values
             ez = torch.exp(z - m.unsqueeze(-1))
@@ -91,17 +95,19 @@ class _LogprobEntropy(torch.autograd.Function):
             spz = torch.zeros_like(lse)
             ent = torch.zeros_like(lse)
         ctx.save_for_backward(logits, local_t, in_shard, lse, spz)
-        ctx.chunk, ctx.with_entropy = chunk, with_entropy
+        ctx.chunk, ctx.with_entropy, ctx.inplace = chunk, with_entropy, inplace_backward
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, local_t, in_shard, lse, spz = ctx.saved_tensors
         acc = lse.dtype
-        grad = torch.empty_like(logits)
+        # in-place: the gradient overwrites the logits chunk by chunk (each chunk is read before it
+        # is written), so backward allocates nothing of size [T, V/tp]
+        grad = logits if ctx.inplace else torch.empty_like(logits)
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.to(acc)
         use_ent = ctx.with_entropy and g_ent is not None
-        for s, e in _chunks(logits.shape[0], ctx.chunk):
+        for s, e in _chunks(logits.shape[0], ctx.chunk, logits.shape[-1]):
             z = logits[s:e].to(acc)
             p = torch.exp(z - lse[s:e].unsqueeze(-1))
             g = p * (-g_logp[s:e]).unsqueeze(-1)
@@ -112,28 +118,31 @@ class _LogprobEntropy(torch.autograd.Function):
             rows = hit.nonzero().flatten()
             g[rows, local_t[s:e][rows]] += g_logp[s:e][rows]
             grad[s:e] = g.to(grad.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group: Any = None,
-                                    chunk_tokens: int = 4096, with_entropy: bool = True
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                                    chunk_tokens: int | None = None, with_entropy: bool = True,
+                                    inplace_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) and the full-vocabulary entropy of sharded logits.
 
     logits: [T, V/tp] (any float dtype); targets: [T] global vocabulary ids.
     Returns (logprobs [T], entropy [T]) in fp32 (fp64 for fp64 logits), differentiable w.r.t.
     ``logits``. With ``with_entropy=False`` the entropy is zeros and costs nothing.
+    ``chunk_tokens=None`` picks chunks of about 2**24 elements. ``inplace_backward=True`` writes
+    the gradient into the logits tensor itself (as megatron's vocab-parallel cross entropy does):
+    only when nothing else reads those logits after this op.
     """
-    return _LogprobEntropy.apply(logits, targets, tp_group, chunk_tokens, with_entropy)
+    return _LogprobEntropy.apply(logits, targets, tp_group, chunk_tokens, with_entropy, inplace_backward)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group: Any = None,
-                            chunk_tokens: int = 4096) -> torch.Tensor:
+                            chunk_tokens: int | None = None) -> torch.Tensor:
     """log p(targets) of sharded logits: [T, V/tp], [T] -> [T]."""
     return vocab_parallel_logprobs_entropy(logits, targets, tp_group, chunk_tokens, with_entropy=False)[0]
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, tp_group: Any = None, chunk_tokens: int = 4096) -> torch.Tensor:
+def vocab_parallel_entropy(logits: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None) -> torch.Tensor:
     """Full-vocabulary entropy of sharded logits: [T, V/tp] -> [T]."""
     targets = torch.full((logits.shape[0],), _vocab_range(logits, tp_group)[0], dtype=torch.long,
                          device=logits.device)
@@ -146,7 +155,7 @@ def _softmax_stats(logits: torch.Tensor, group: Any, chunk: int) -> torch.Tensor
     acc = _acc_dtype(logits)
     lmax = torch.empty(T, dtype=acc, device=logits.device)
     partial = torch.zeros(1, T, dtype=acc, device=logits.device)
-    for s, e in _chunks(T, chunk):
+    for s, e in _chunks(T, chunk, logits.shape[-1]):
         z = logits[s:e].to(acc)
         m = z.max(-1).values
         lmax[s:e] = m
@@ -167,13 +176,13 @@ class _LogSumExp(torch.autograd.Function):
     def backward(ctx, g):
         logits, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        for s, e in _chunks(logits.shape[0], ctx.chunk):
+        for s, e in _chunks(logits.shape[0], ctx.chunk, logits.shape[-1]):
             p = torch.exp(logits[s:e].to(lse.dtype) - lse[s:e].unsqueeze(-1))
             grad[s:e] = (p * g[s:e].to(lse.dtype).unsqueeze(-1)).to(grad.dtype)
         return grad, None, None
 
 
-def vocab_parallel_logsumexp(logits: torch.Tensor, tp_group: Any = None, chunk_tokens: int = 4096) -> torch.Tensor:
+def vocab_parallel_logsumexp(logits: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None) -> torch.Tensor:
     """log Σ_v exp(logits_v) over the full vocabulary: [T, V/tp] -> [T]; gradient softmax."""
     return _LogSumExp.apply(logits, tp_group, chunk_tokens)
 
@@ -186,7 +195,7 @@ class _KL(torch.autograd.Function):
         lse_a, lse_b = _softmax_stats(a, group, chunk), _softmax_stats(b, group, chunk)
         acc = lse_a.dtype
         kl = torch.zeros(a.shape[0], dtype=acc, device=a.device)
-        for s, e in _chunks(a.shape[0], chunk):
+        for s, e in _chunks(a.shape[0], chunk, a.shape[-1]):
             la = a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1)
             lb = b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
             kl[s:e] = (torch.exp(la) * (la - lb)).sum(-1)
@@ -201,7 +210,7 @@ class _KL(torch.autograd.Function):
         acc = lse_a.dtype
         ga = torch.empty_like(a) if ctx.needs_input_grad[0] else None
         gb = torch.empty_like(b) if ctx.needs_input_grad[1] else None
-        for s, e in _chunks(a.shape[0], ctx.chunk):
+        for s, e in _chunks(a.shape[0], ctx.chunk, a.shape[-1]):
             la = a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1)
             lb = b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
             pa = torch.exp(la)
@@ -214,7 +223,7 @@ class _KL(torch.autograd.Function):
 
 
 def vocab_parallel_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None,
-                      chunk_tokens: int = 4096) -> torch.Tensor:
+                      chunk_tokens: int | None = None) -> torch.Tensor:
     """KL(softmax(logits_p) || softmax(logits_q)) per token over the full vocabulary.
 
     logits_p, logits_q: [T, V/tp] sharded the same way -> [T]. Differentiable w.r.t. both.
@@ -231,7 +240,7 @@ class _Bhattacharyya(torch.autograd.Function):
         lse_a, lse_b = _softmax_stats(a, group, chunk), _softmax_stats(b, group, chunk)
         acc = lse_a.dtype
         bc = torch.zeros(a.shape[0], dtype=acc, device=a.device)
-        for s, e in _chunks(a.shape[0], chunk):
+        for s, e in _chunks(a.shape[0], chunk, a.shape[-1]):
             la = a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1)
             lb = b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
             bc[s:e] = torch.exp(0.5 * (la + lb)).sum(-1)
@@ -246,7 +255,7 @@ class _Bhattacharyya(torch.autograd.Function):
         acc = lse_a.dtype
         grads = [torch.empty_like(a) if ctx.needs_input_grad[0] else None,
                  torch.empty_like(b) if ctx.needs_input_grad[1] else None]
-        for s, e in _chunks(a.shape[0], ctx.chunk):
+        for s, e in _chunks(a.shape[0], ctx.chunk, a.shape[-1]):
             la = a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1)
             lb = b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
             root = torch.exp(0.5 * (la + lb))
@@ -260,13 +269,13 @@ class _Bhattacharyya(torch.autograd.Function):
 
 
 def vocab_parallel_bhattacharyya(logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None,
-                                 chunk_tokens: int = 4096) -> torch.Tensor:
+                                 chunk_tokens: int | None = None) -> torch.Tensor:
     """Bhattacharyya coefficient Σ_v sqrt(p_v q_v) per token: [T, V/tp] x2 -> [T]."""
     return _Bhattacharyya.apply(logits_p, logits_q, tp_group, chunk_tokens)
 
 
 def vocab_parallel_hellinger_sq(logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None,
-                                chunk_tokens: int = 4096) -> torch.Tensor:
+                                chunk_tokens: int | None = None) -> torch.Tensor:
     """Squared Hellinger distance 1 - BC per token: [T, V/tp] x2 -> [T]."""
     return 1 - vocab_parallel_bhattacharyya(logits_p, logits_q, tp_group, chunk_tokens)
 

@@ -52,9 +52,9 @@ def test_wrong_gradient_on_one_rank_is_caught(monkeypatch):
 
     real_forward = vocab_parallel._LogprobEntropy.forward
 
-    def forward(ctx, logits, targets, group, chunk, with_entropy):
+    def forward(ctx, logits, targets, group, chunk, with_entropy, inplace_backward=False):
         ctx.group = group
-        return real_forward(ctx, logits, targets, group, chunk, with_entropy)
+        return real_forward(ctx, logits, targets, group, chunk, with_entropy, inplace_backward)
 
     monkeypatch.setattr(vocab_parallel._LogprobEntropy, "backward", staticmethod(broken))
     monkeypatch.setattr(vocab_parallel._LogprobEntropy, "forward", staticmethod(forward))

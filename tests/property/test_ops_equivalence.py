@@ -50,6 +50,11 @@ def _run_all(tp, a, b, tg, w, chunk):
         h2 = vp.vocab_parallel_hellinger_sq(xa, xb, g, chunk)
         ent_only = vp.vocab_parallel_entropy(xb, g, chunk)
         lp_only = vp.vocab_parallel_logprobs(xb, tg, g, chunk)
+        # in-place backward (gradient written over a copy of the logits) gives the same gradient
+        xc, xd = xb.detach().clone().requires_grad_(), xb.detach().clone().requires_grad_()
+        (w[0] * vp.vocab_parallel_logprobs_entropy(xc * 1.0, tg, g, chunk, inplace_backward=True)[0]).sum().backward()
+        (w[0] * vp.vocab_parallel_logprobs_entropy(xd, tg, g, chunk)[0]).sum().backward()
+        assert torch.equal(xc.grad, xd.grad)
         (w[0] * lp + w[1] * ent + w[0] * lse + w[1] * kl + w[0] * h2 + w[1] * ent_only + w[0] * lp_only).sum().backward()
         vals = (lp, ent, lse, kl, h2, ent_only, lp_only)
         return tuple(v.detach() for v in vals), (xa.grad, xb.grad)

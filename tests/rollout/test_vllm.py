@@ -164,6 +164,29 @@ def test_client_with_wrong_key_gets_auth_error(vllm_server):
     run(go())
 
 
+def test_abort_pause_and_resume(vllm_server, tiny_models):
+    async def go():
+        async with vllm_server.client() as eng:
+            long = asyncio.ensure_future(eng.generate(PROMPT, n=2, sampling=SamplingParams(
+                max_new_tokens=1000, ignore_eos=True), request_id="long-one"))
+            while eng.outstanding == 0 or "long-one" not in eng._inflight:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            assert await eng.abort("long-one") == 1
+            aborted = await long
+            # pause: new requests are held until resume, then served normally
+            await eng.pause(mode="wait")
+            held = asyncio.ensure_future(eng.generate(PROMPT, sampling=SamplingParams(
+                temperature=0, max_new_tokens=4, ignore_eos=True)))
+            await asyncio.sleep(0.3)
+            assert not held.done() and eng.paused
+            await eng.resume()
+            return aborted, await held, await eng.health()
+    aborted, held, healthy = run(go())
+    assert [s.finish_reason for s in aborted.samples] == ["abort", "abort"]
+    assert held.samples[0].token_ids == hf_greedy(str(tiny_models["v1"]), PROMPT, 4) and healthy
+
+
 def test_three_turn_episode_through_vllm(vllm_server, tiny_models):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(tiny_models["v1"]))

@@ -111,34 +111,48 @@ def jobs(slurm_cluster: SlurmCluster, work: Path) -> dict[str, Job]:
 
 
 def test_requeue_resumes_from_checkpoint(slurm_cluster: SlurmCluster, work: Path, jobs):
-    """one_node template (learner ranks + rollout server colocated): USR1 -> checkpoint -> requeue -> resume.
-
-    The final weights must equal an uninterrupted run's bit for bit (model and optimizer state restored).
+    """one_node template (learner ranks + rollout server colocated), interrupted twice:
+    attempt 0 gets SIGUSR1 in the batch script (what --signal=B:USR1@N sends) -> checkpoint -> exit 99 -> requeue;
+    attempt 1 gets an external `scontrol requeue` (SIGTERM to every process) -> checkpoint within KillWait;
+    attempt 2 resumes and finishes. The final weights must equal an uninterrupted run's bit for bit.
     """
-    c = slurm_cluster
+    c, steps = slurm_cluster, 7
     job = submit(c, "one_node.sbatch", work, "requeue", ["--nodes=1"], {
         "MEGARL_PROCS_PER_NODE": "2", "MEGARL_ROLLOUT_PORT": "18200", "MEGARL_ROLLOUT_CMD": STANDIN,
-        "MEGARL_LEARNER_CMD": f"{SELFTEST} --steps 5 --step-sleep 1"})
+        "MEGARL_LEARNER_CMD": f"{SELFTEST} --steps {steps} --step-sleep 1"})
+    marker = f"megarl: job {job.id} restart "
+
+    def attempt(i: int) -> str:
+        return job.text().split(marker + f"{i} ")[1].split(marker)[0] if marker + f"{i} " in job.text() else ""
+
+    def restart(i: int) -> None:
+        info = wait_state(c, job, ("PENDING",) + FINAL, timeout=60)
+        assert info["JobState"] == "PENDING" and info["Restarts"] == str(i), job.text()
+        c.cmd("scontrol", "update", f"JobId={job.id}", "StartTime=now")  # skip the requeue back-off
+
     wait_text(job, r"selftest: step 2 loss", timeout=120)
-    c.cmd("scancel", "--batch", "--signal=USR1", job.id)  # what --signal=B:USR1@N sends before the time limit
-    info = wait_state(c, job, ("PENDING",) + FINAL, timeout=60)
-    assert info["JobState"] == "PENDING" and info["Restarts"] == "1", job.text()
-    c.cmd("scontrol", "update", f"JobId={job.id}", "StartTime=now")  # skip the requeue back-off
+    c.cmd("scancel", "--batch", "--signal=USR1", job.id)
+    restart(1)
+    first = attempt(0)
+    stop1 = int(re.search(r"stopping after checkpoint of step (\d+) on request", first).group(1))
+    assert "megarl: requeueing job" in first and "exit 99 for requeue" in first
+
+    wait_text(job, marker + r"1 (?s:.*)selftest: step " + str(stop1 + 1) + " loss", timeout=120)
+    c.cmd("scontrol", "requeue", job.id)
+    restart(2)
     info = wait_state(c, job, FINAL, timeout=120)
     text = job.text()
-    assert info["JobState"] == "COMPLETED", text
-    first, _, second = text.partition(f"megarl: job {job.id} restart 1 ")
-    assert second, f"no restarted attempt in the output:\n{text}"
-    stopped = int(re.search(r"stopping after checkpoint of step (\d+) on request", first).group(1))
-    assert "megarl: requeueing job" in first and "exit 99 for requeue" in first
-    assert 2 <= stopped < 5
-    assert f"resuming from checkpoint step {stopped}" in second
-    assert f"selftest: resumed from step {stopped}" in second
-    assert "selftest: step 1 loss" not in second and f"selftest: step {stopped + 1} loss" in second
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", text
+    second, third = attempt(1), attempt(2)
+    assert f"selftest: resumed from step {stop1}" in second and "selftest: step 1 loss" not in second
+    assert "DUE TO JOB REQUEUE" in second
+    stop2 = int(re.search(r"resuming from checkpoint step (\d+)", third).group(1))
+    assert stop1 < stop2 < steps, text
+    assert f"selftest: resumed from step {stop2}" in third and f"selftest: step {stop2 + 1} loss" in third
     node = c.node_names[0]
-    assert f"rollout server http://{node}:18200 answered host={node}" in second
-    digest = re.search(r"selftest: done steps=5 final_loss=\S+ digest=(\w+)", second).group(1)
-    assert digest == reference_digest(world_size=2, steps=5)
+    assert f"rollout server http://{node}:18200 answered host={node}" in third
+    digest = re.search(rf"selftest: done steps={steps} final_loss=\S+ digest=(\w+)", third).group(1)
+    assert digest == reference_digest(world_size=2, steps=steps)
 
 
 def test_multi_node_roles_ranks_and_rollout_handover(slurm_cluster: SlurmCluster, jobs):

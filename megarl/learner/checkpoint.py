@@ -1,0 +1,177 @@
+"""Learner checkpoints with megatron-core dist_checkpointing: model, optimizer, scheduler, RNG, step.
+
+Layout on disk (``ckpt_dir``)::
+
+    <torch_dist shards, common.pt, metadata.json>   dist_checkpointing's format
+    megarl.json                                     step, layout it was saved with, HF config
+
+Atomic: all ranks write into ``ckpt_dir + ".tmp-megarl"``, then rank 0 renames it to ``ckpt_dir``;
+a crash mid-save leaves no ``ckpt_dir``. The model and the DistributedOptimizer state are saved in
+reshardable form (``fully_reshardable``), so a checkpoint loads under another TP/PP/EP layout.
+RNG states are stored per global rank and restored when the world size matches (else left alone,
+and ``load_checkpoint`` says so in its return value).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from megarl.learner.learner import Learner
+
+_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+META_FILE = "megarl.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, incomplete or incompatible; the message names the path."""
+
+
+def _rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    from megatron.core import tensor_parallel
+
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+          "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    import random
+
+    import numpy as np
+
+    from megatron.core import tensor_parallel
+
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(st["tracker"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def _ensure_optimizer_state(learner: Learner) -> None:
+    """Give a fresh optimizer its state tensors and a 'step' before building a load template.
+
+    megatron-core 0.16.1 without Apex/TE reads one 'step' out of the torch Adam state in
+    ``DistributedOptimizer.state_dict()`` (assert len(steps) == 1), but its ``init_state_fn`` creates
+    only exp_avg / exp_avg_sq, so loading into a learner that has not stepped yet fails.
+    The loaded checkpoint overwrites these values.
+    """
+    for opt in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        init = getattr(opt, "init_state_fn", None)
+        if inner is None or init is None:
+            continue
+        init(inner, opt.config)
+        for st in inner.state.values():
+            st.setdefault("step", torch.tensor(0.0))
+
+
+def _load_optimizer(learner: Learner, state: dict) -> None:
+    """``optimizer.load_state_dict`` with the per-parameter state loaded in a second phase.
+
+    megatron-core 0.16.1 without Apex/TE puts a torch-Adam 'step' into every parameter's state and
+    then copies *every* state key from the checkpoint's parameter state, which never holds 'step'
+    (KeyError). So: load the common part (this sets the steps), set 'step' aside, load the
+    parameter state, put 'step' back.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+    parts = [state] if len(opts) == 1 else [v for _, v in sorted(state.items())]
+    if len(parts) != len(opts):
+        raise CheckpointError(f"checkpoint has {len(parts)} optimizer(s), the learner {len(opts)} "
+                              "(dense/expert split differs: EP changed between save and load?)")
+    for opt, part in zip(opts, parts):
+        if not (isinstance(opt, DistributedOptimizer) and part.get("param_state_sharding_type") == "fully_reshardable"):
+            opt.load_state_dict(part)
+            continue
+        param_state = part.pop("param_state")
+        part.pop("param_state_sharding_type")
+        opt.load_state_dict(part)
+        steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            opt.optimizer.state[p]["step"] = step
+
+
+def _sharded_state(learner: Learner, is_loading: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if is_loading:
+        _ensure_optimizer_state(learner)
+
+    model_sd = learner.model.sharded_state_dict()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return {
+        "model": model_sd,
+        "optimizer": learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_META),
+        "rng": ShardedObject("megarl_rng_state", None if is_loading else _rng_state(), (world,), (rank,),
+                             replica_id=0),
+    }
+
+
+def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
+    """Save the learner (collective). Refuses to overwrite an existing ``ckpt_dir``."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = os.fspath(ckpt_dir)
+    tmp = ckpt_dir + ".tmp-megarl"
+    if dist.get_rank() == 0:
+        if os.path.exists(ckpt_dir):
+            raise CheckpointError(f"{ckpt_dir} exists; refusing to overwrite a checkpoint")
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left over from a crashed save
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _sharded_state(learner, is_loading=False)
+    state["scheduler"] = learner.scheduler.state_dict()
+    state["step"] = learner.step
+    dist_checkpointing.save(state, tmp)
+    if dist.get_rank() == 0:
+        meta = {"step": learner.step, "layout": asdict(learner.groups.layout),
+                "world_size": dist.get_world_size(), "hf_config": learner.hf_config}
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.rename(tmp, ckpt_dir)
+    dist.barrier()
+    return ckpt_dir
+
+
+def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> dict:
+    """Load model, optimizer, scheduler, step (and RNG when the world size matches) into ``learner``,
+    whatever layout the checkpoint was saved with (collective). Returns the checkpoint's metadata
+    plus ``rng_restored``."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = os.fspath(ckpt_dir)
+    meta_path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"{ckpt_dir}: not a complete megarl checkpoint (no {META_FILE})")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    same_world = meta["world_size"] == dist.get_world_size()
+    template = _sharded_state(learner, is_loading=True)
+    if not same_world:
+        template.pop("rng")
+    loaded = dist_checkpointing.load(template, ckpt_dir)
+    learner.model.load_state_dict(loaded["model"], strict=True)
+    _load_optimizer(learner, loaded["optimizer"])
+    learner.scheduler.load_state_dict(loaded["scheduler"])
+    learner.step = int(loaded["step"])
+    if same_world:
+        _set_rng_state(loaded["rng"])
+    meta["rng_restored"] = same_world
+    return meta
