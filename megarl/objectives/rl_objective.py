@@ -46,6 +46,15 @@ class ObjectiveConfig:
                          ("correction", CORRECTIONS), ("distill", DISTILLATION)):
             if getattr(self, key) not in reg:
                 raise ValueError(f"objective.{key}={getattr(self, key)!r}; allowed: {', '.join(reg.names())}")
+        for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "correction_low", "correction_high",
+                    "distill_coef"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"objective.{key}={v!r} must be a number (YAML reads 1.0e9 as a string: "
+                                 "write 1.0e+9)")
+        if self.dual_clip is not None and (isinstance(self.dual_clip, bool)
+                                           or not isinstance(self.dual_clip, (int, float)) or self.dual_clip <= 1):
+            raise ValueError(f"objective.dual_clip={self.dual_clip!r} must be a number > 1 or null")
         if self.aggregation not in MODES:
             raise ValueError(f"objective.aggregation={self.aggregation!r}; allowed: {', '.join(MODES)}")
         return self
