@@ -85,7 +85,7 @@ def _load_optimizer(learner: Learner, state: dict) -> None:
     megatron-core 0.16.1 without Apex/TE puts a torch-Adam 'step' into every parameter's state and
     then copies *every* state key from the checkpoint's parameter state, which never holds 'step'
     (KeyError). So: load the common part (this sets the steps), set 'step' aside, load the
-    parameter state, put 'step' back.
+    parameter state, put 'step' back (one tensor per parameter).
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -104,7 +104,9 @@ def _load_optimizer(learner: Learner, state: dict) -> None:
         steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
         opt.load_parameter_state_from_fully_reshardable(param_state)
         for p, step in steps.items():
-            opt.optimizer.state[p]["step"] = step
+            # megatron hands every parameter the *same* step tensor, which torch Adam increments in
+            # place once per parameter: give each its own.
+            opt.optimizer.state[p]["step"] = step.detach().clone()
 
 
 def _sharded_state(learner: Learner, is_loading: bool) -> dict:
