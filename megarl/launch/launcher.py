@@ -24,7 +24,7 @@ from pathlib import Path
 from megarl.launch.checkpoint import find_latest
 from megarl.launch.layout import Layout, LayoutError, check_layout
 from megarl.launch.processes import Child, spawn, terminate_all, wait_all
-from megarl.launch.rendezvous import Rendezvous
+from megarl.launch.rendezvous import Rendezvous, RendezvousTimeout, RolloutNodeDied
 from megarl.launch.roles import NodePlan, assign_roles, default_master_port, learner_rank_env, master_addr
 from megarl.launch.slurm_env import SlurmTask
 
@@ -65,6 +65,10 @@ class LaunchOptions:
 
 class LaunchFailure(RuntimeError):
     """A rank, server or node failed; the message names it (rank, node, exit code or health error)."""
+
+
+class StopRequested(RuntimeError):
+    """A stop signal arrived before the learner ranks existed (nothing to checkpoint yet)."""
 
 
 def format_cmd(cmd: list[str], **values: object) -> list[str]:
@@ -133,6 +137,13 @@ class NodeLauncher:
             if plan.runs_learner:
                 return self._run_learner(plan, plans, rdv)
             return self._serve_until_learner_ends(rdv)
+        except StopRequested as exc:
+            failure = self._peer_failure(rdv)
+            if failure:
+                self.log(f"ERROR {exc} after {failure}")
+                return EXIT_FAILED
+            self.log(f"{exc}: nothing to checkpoint yet" + (", exit 99 for requeue" if plan.runs_learner else ""))
+            return EXIT_REQUEUE if plan.runs_learner else EXIT_OK
         except LaunchFailure as exc:
             self.log(f"ERROR {exc}")
             if plan.runs_rollout and not plan.runs_learner:
@@ -181,7 +192,7 @@ class NodeLauncher:
                 if http_ok(url + self.opts.rollout_health_path, 2) is None:
                     del pending[url]
             if self.stop_signal:
-                raise LaunchFailure(f"stopped by {self.stop_signal} while rollout servers were starting")
+                raise StopRequested(f"stopped by {self.stop_signal} while rollout servers were starting")
             if pending and time.monotonic() > deadline:
                 raise LaunchFailure(f"rollout server(s) {', '.join(pending)} on {self.node} not healthy after "
                                     f"{self.opts.rollout_startup_timeout_s:.0f}s")
@@ -214,8 +225,11 @@ class NodeLauncher:
         addresses: dict[str, list[str]] = {}
         if rollout_nodes:
             self.log(f"waiting for rollout servers on {', '.join(rollout_nodes)}")
-            addresses = rdv.gather_rollout(rollout_nodes, self.opts.rollout_startup_timeout_s,
-                                           alive=self._check_servers_or_stop)
+            try:
+                addresses = rdv.gather_rollout(rollout_nodes, self.opts.rollout_startup_timeout_s,
+                                               alive=self._check_servers_or_stop)
+            except (RendezvousTimeout, RolloutNodeDied) as exc:
+                raise LaunchFailure(str(exc)) from exc
             rdv.write_address_file(addresses)
         urls = [u for n in rollout_nodes for u in addresses[n]]
         latest = find_latest(self.opts.checkpoint_dir)
@@ -255,7 +269,7 @@ class NodeLauncher:
     def _check_servers_or_stop(self) -> None:
         self._check_servers()
         if self.stop_signal:
-            raise LaunchFailure(f"stopped by {self.stop_signal} while waiting for rollout servers")
+            raise StopRequested(f"stopped by {self.stop_signal} while waiting for rollout servers")
 
     def _supervise_learner(self, plan: NodePlan, addresses: dict[str, list[str]], rdv: Rendezvous) -> int:
         watch_health = plan.node_rank == 0

@@ -18,6 +18,10 @@ class RendezvousTimeout(TimeoutError):
     """Rollout nodes that did not publish their addresses in time, named in the message."""
 
 
+class RolloutNodeDied(RuntimeError):
+    """A rollout node reported a dead server before publishing; the message names it."""
+
+
 class Rendezvous:
     """Shared-directory rendezvous of one job attempt."""
 
@@ -51,7 +55,7 @@ class Rendezvous:
         while True:
             dead = {n: r for n, r in self.dead_nodes().items() if n in nodes}
             if dead:
-                raise RuntimeError("rollout node(s) died before publishing: "
+                raise RolloutNodeDied("rollout node(s) died before publishing: "
                                    + "; ".join(f"{n}: {r}" for n, r in dead.items()))
             found = {n: self.dir / f"rollout-{n}.json" for n in nodes}
             missing = [n for n, p in found.items() if not p.exists()]

@@ -3,9 +3,12 @@ checkpoint and rendezvous files, the CLI's --check, and distributed errors namin
 
 from __future__ import annotations
 
+import io
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,11 +17,11 @@ from hypothesis import strategies as st
 
 from megarl.launch.checkpoint import commit_checkpoint, find_latest
 from megarl.launch.hostlist import HostlistError, expand_hostlist
-from megarl.launch.launcher import format_cmd
+from megarl.launch.launcher import LaunchOptions, NodeLauncher, format_cmd
 from megarl.launch.layout import Layout, LayoutError, check_layout
 from megarl.launch.rendezvous import Rendezvous, RendezvousTimeout
 from megarl.launch.roles import Role, assign_roles, default_master_port, learner_rank_env, master_addr
-from megarl.launch.slurm_env import SlurmEnvError, read_slurm_task
+from megarl.launch.slurm_env import SlurmEnvError, SlurmTask, read_slurm_task
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -228,3 +231,41 @@ def test_collective_timeout_names_rank_and_host(tmp_path):
         procs[1].communicate()
     assert procs[0].returncode == 1, out + err
     assert "selftest: ERROR rank 0/2 (local 0) on host0: all_reduce failed (timeout 4s, backend gloo)" in err
+
+
+# ---------------------------------------------------------------- launcher decisions without Slurm
+def _learner_of_two(tmp_path: Path) -> NodeLauncher:
+    task = SlurmTask(job_id="1", nodes=("a", "b"), node_id=0, proc_id=0, n_tasks=2, hostname="a", restart_count=0,
+                     gpus_on_node=None)
+    opts = LaunchOptions(layout=Layout(learner_nodes=1, rollout_nodes=1), run_dir=tmp_path, learner_cmd=["true"],
+                         rollout_startup_timeout_s=20)
+    return NodeLauncher(task, opts, log=io.StringIO())
+
+
+def _run_with_signal_after(launcher: NodeLauncher, delay: float) -> int:
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        return launcher.run()
+    finally:
+        timer.cancel()
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_stop_while_waiting_for_rollout_requeues_unless_a_peer_failed(tmp_path):
+    """Pre-emption before the ranks exist: exit 99 (requeue); the same signal after a peer failed: exit 1."""
+    assert _run_with_signal_after(launcher := _learner_of_two(tmp_path / "x"), 0.3) == 99
+    assert "nothing to checkpoint yet, exit 99 for requeue" in launcher._log_stream.getvalue()
+    launcher = _learner_of_two(tmp_path / "y")
+    Rendezvous(tmp_path / "y", "1", 0).set_learner_state("failed")
+    assert _run_with_signal_after(launcher, 0.3) == 1
+    assert "after another learner node failed" in launcher._log_stream.getvalue()
+
+
+def test_rollout_node_dead_before_publishing_is_named(tmp_path):
+    launcher = _learner_of_two(tmp_path)
+    Rendezvous(tmp_path, "1", 0).mark_dead("b", "rollout server 0 on b (port 8000) exited with code 1 during start-up")
+    assert launcher.run() == 1
+    assert "ERROR rollout node(s) died before publishing: b: rollout server 0 on b" in launcher._log_stream.getvalue()
