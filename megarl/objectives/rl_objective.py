@@ -7,8 +7,8 @@ Equal, by the property tests, to reference/loss.py:rl_loss on the padded batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from megarl.objectives.corrections import CORRECTIONS
 from megarl.objectives.distillation import DISTILLATION
 from megarl.objectives.kl import KL_ESTIMATORS
 from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
@@ -39,6 +40,10 @@ class ObjectiveConfig:
     correction_high: float = 2.0
     distill: str = "none"
     distill_coef: float = 0.0
+    # extra keyword knobs of the chosen policy loss (method families register losses that need more)
+    policy_loss_args: dict = field(default_factory=dict)
+    # extra loss terms: [{"name": <REGULARISERS key>, "coef": float, <knobs>...}], each aggregated like the rest
+    regularisers: list = field(default_factory=list)
 
     def validate(self) -> "ObjectiveConfig":
         """Fail early with the offending key and the allowed values."""
@@ -57,6 +62,14 @@ class ObjectiveConfig:
             raise ValueError(f"objective.dual_clip={self.dual_clip!r} must be a number > 1 or null")
         if self.aggregation not in MODES:
             raise ValueError(f"objective.aggregation={self.aggregation!r}; allowed: {', '.join(MODES)}")
+        if not isinstance(self.policy_loss_args, dict):
+            raise ValueError(f"objective.policy_loss_args must be a mapping, got {self.policy_loss_args!r}")
+        for i, reg in enumerate(self.regularisers):
+            if not isinstance(reg, dict) or "name" not in reg or "coef" not in reg:
+                raise ValueError(f"objective.regularisers[{i}] must be a mapping with 'name' and 'coef', got {reg!r}")
+            if reg["name"] not in REGULARISERS:
+                raise ValueError(f"objective.regularisers[{i}].name={reg['name']!r}; allowed: "
+                                 f"{', '.join(REGULARISERS.names()) or 'none registered'}")
         return self
 
 
@@ -85,7 +98,7 @@ class RLObjective:
             return aggregate(x, mask, cu, cfg.aggregation, norm)
 
         pg = POLICY_LOSSES.get(cfg.policy_loss)(logp, old, adv, mask, cu, cfg.clip_low, cfg.clip_high,
-                                                cfg.dual_clip)
+                                                cfg.dual_clip, **_policy_extra(cfg, batch, ctx))
         metrics: dict[str, torch.Tensor] = {}
         if cfg.correction != "none":
             if batch.rollout_logprobs is None or batch.old_logprobs is None:
@@ -111,6 +124,11 @@ class RLObjective:
             d = agg(DISTILLATION.get(cfg.distill)(logits, logp, old, batch, ctx))
             loss = loss + cfg.distill_coef * d
             metrics["distill"] = d.detach()
+        for reg in cfg.regularisers:
+            knobs = {k: v for k, v in reg.items() if k not in ("name", "coef")}
+            term = agg(REGULARISERS.get(reg["name"])(logits, logp, old, batch, ctx, **knobs))
+            loss = loss + reg["coef"] * term
+            metrics[f"reg/{reg['name']}"] = term.detach()
         ratio = torch.exp(logp.detach() - old)
         clipped = (ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)
         metrics["entropy"] = _token_mean(ent.detach(), mask, norm)
@@ -121,6 +139,15 @@ class RLObjective:
             metrics["train_rollout_logprob_gap"] = _token_mean(gap, mask, norm)
         metrics["loss"] = loss.detach()
         return LossOutput(loss=loss, metrics=metrics)
+
+
+def _policy_extra(cfg: ObjectiveConfig, batch: PackedBatch, ctx: LossContext) -> dict[str, Any]:
+    """Extra policy-loss keyword arguments: the configured knobs (losses that need the batch or
+    context take them as ``batch=``/``ctx=`` keywords when they declare ``needs_context``)."""
+    extra = dict(cfg.policy_loss_args)
+    if getattr(POLICY_LOSSES.get(cfg.policy_loss), "needs_context", False):
+        extra.update(batch=batch, ctx=ctx)
+    return extra
 
 
 def _first_present(*xs):

@@ -53,3 +53,27 @@ def test_unknown_policy_loss_lists_allowed_values():
 def test_non_numeric_knob_is_named():
     with pytest.raises(ValueError, match="objective.clip_low='1.0e9' must be a number"):
         build_objective({"clip_low": "1.0e9"})
+
+
+def test_unknown_regulariser_is_named():
+    with pytest.raises(ValueError, match=r"objective.regularisers\[0\].name='nope'"):
+        build_objective({"regularisers": [{"name": "nope", "coef": 1.0}]})
+
+
+def test_registered_regulariser_is_added_to_the_loss():
+    from megarl.objectives.api import GlobalNormalisers, LossContext
+    from megarl.objectives.regularisers import REGULARISERS
+    from megarl.batch import from_sequences
+
+    if "test_logp_sum" not in REGULARISERS:
+        REGULARISERS.register("test_logp_sum")(lambda logits, logp, old, batch, ctx, scale=1.0: scale * logp)
+    b = from_sequences([[1, 2]], [[3, 0]], [0])
+    b.advantages = torch.zeros(4)
+    logits = torch.randn(4, 5, dtype=torch.float64)
+    ctx = LossContext(GlobalNormalisers(2, 1, 2))
+    base = build_objective({})(logits, b, ctx).loss
+    with_reg = build_objective({"regularisers": [{"name": "test_logp_sum", "coef": 0.5, "scale": 2.0}]})
+    out = with_reg(logits, b, ctx)
+    lp = torch.log_softmax(logits, -1)[torch.arange(4), b.tokens]
+    torch.testing.assert_close(out.loss - base, 0.5 * 2.0 * (lp * b.loss_mask).sum() / 2)
+    assert "reg/test_logp_sum" in out.metrics
