@@ -62,12 +62,13 @@ class HttpEngine(RolloutEngine):
 
     async def request(self, method: str, path: str, *, json_body: Any = None, admin: bool = False,
                       params: Optional[dict] = None, timeout_s: Optional[float] = None,
-                      expect_json: bool = True, content: Optional[bytes] = None) -> Any:
+                      expect_json: bool = True, content: Optional[bytes] = None,
+                      headers: Optional[dict[str, str]] = None) -> Any:
         """One HTTP call; returns the parsed JSON (or text) body, raises a ``RolloutError`` subtype.
         ``content`` sends raw bytes as a JSON body (for contract tests of malformed requests)."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"{self.name}: engine is down ({self.dead_reason})")
-        kw: dict[str, Any] = {"headers": self._headers(admin), "params": params}
+        kw: dict[str, Any] = {"headers": {**self._headers(admin), **(headers or {})}, "params": params}
         if json_body is not None:
             kw["json"] = json_body
         elif content is not None:

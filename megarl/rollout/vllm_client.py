@@ -58,7 +58,8 @@ class VLLMEngine(HttpEngine):
         return body
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
-        body = await self.request("POST", "/v1/completions", json_body=self._completion_body(req))
+        body = await self.request("POST", "/v1/completions", json_body=self._completion_body(req),
+                                  headers={"X-Request-Id": req.request_id})
         try:
             choices = sorted(body["choices"], key=lambda c: c["index"])
             samples = []
@@ -104,6 +105,18 @@ class VLLMEngine(HttpEngine):
             await self.request("POST", "/resume", admin=True)
         finally:
             await super().resume()
+
+    async def abort(self, request_id: Optional[str] = None) -> int:
+        """Abort one request (or all with ``None``): the caller gets finish_reason "abort" at once and
+        the server drops the request (``/abort_requests``; a client disconnect alone does not reach
+        vLLM through the forwarder)."""
+        ids = [request_id] if request_id is not None else list(self._inflight)
+        count = await super().abort(request_id)
+        if ids:
+            # vLLM names a completion's request "cmpl-<X-Request-Id>-<prompt index>".
+            await self.request("POST", "/abort_requests", admin=True,
+                               json_body={"request_ids": [f"cmpl-{rid}-0" for rid in ids]})
+        return count
 
     async def pause(self, mode: str = "wait") -> None:
         """Pause the server (``mode``: "wait" drains in-flight requests, "abort" ends them, "keep"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import httpx
 import pytest
@@ -174,8 +175,12 @@ def test_abort_pause_and_resume(vllm_server, tiny_models):
             await asyncio.sleep(0.2)
             assert await eng.abort("long-one") == 1
             aborted = await long
-            # pause: new requests are held until resume, then served normally
+            # pause(wait) drains in-flight requests: quick only if the server really dropped the
+            # aborted one (1000 tokens x 2 take far longer than 5 s here)
+            t0 = time.monotonic()
             await eng.pause(mode="wait")
+            assert time.monotonic() - t0 < 5.0
+            # new requests are held until resume, then served normally
             held = asyncio.ensure_future(eng.generate(PROMPT, sampling=SamplingParams(
                 temperature=0, max_new_tokens=4, ignore_eos=True)))
             await asyncio.sleep(0.3)
