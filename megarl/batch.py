@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -55,22 +54,22 @@ class PackedBatch:
     prompt_lens: torch.Tensor  # [B] int64
     loss_mask: torch.Tensor  # [T] float (1 on tokens the loss may touch)
     group_ids: torch.Tensor  # [B] int64, sequences with the same id answer the same prompt
-    task_ids: Optional[torch.Tensor] = None  # [B] int64
-    rewards: Optional[torch.Tensor] = None  # [B] or [B, K] float
-    policy_versions: Optional[torch.Tensor] = None  # [B] int64
-    truncated: Optional[torch.Tensor] = None  # [B] bool
-    turn_spans: Optional[list[list[tuple[int, int, str]]]] = None  # per seq: (start, end, role)
-    rollout_logprobs: Optional[torch.Tensor] = None  # [T]
-    old_logprobs: Optional[torch.Tensor] = None  # [T]
-    ref_logprobs: Optional[torch.Tensor] = None  # [T]
-    teacher_logprobs: Optional[torch.Tensor] = None  # [T]
-    advantages: Optional[torch.Tensor] = None  # [T]
-    returns: Optional[torch.Tensor] = None  # [T]
-    values: Optional[torch.Tensor] = None  # [T]
-    entropies: Optional[torch.Tensor] = None  # [T]
-    token_rewards: Optional[torch.Tensor] = None  # [T] dense per-token rewards (GAE, process rewards)
-    routed_experts: Optional[torch.Tensor] = None  # [T, n_moe_layers, topk] int
-    reward_names: Optional[list[str]] = None  # names of the K reward dimensions
+    task_ids: torch.Tensor | None = None  # [B] int64
+    rewards: torch.Tensor | None = None  # [B] or [B, K] float
+    policy_versions: torch.Tensor | None = None  # [B] int64
+    truncated: torch.Tensor | None = None  # [B] bool
+    turn_spans: list[list[tuple[int, int, str]]] | None = None  # per seq: (start, end, role)
+    rollout_logprobs: torch.Tensor | None = None  # [T]
+    old_logprobs: torch.Tensor | None = None  # [T]
+    ref_logprobs: torch.Tensor | None = None  # [T]
+    teacher_logprobs: torch.Tensor | None = None  # [T]
+    advantages: torch.Tensor | None = None  # [T]
+    returns: torch.Tensor | None = None  # [T]
+    values: torch.Tensor | None = None  # [T]
+    entropies: torch.Tensor | None = None  # [T]
+    token_rewards: torch.Tensor | None = None  # [T] dense per-token rewards (GAE, process rewards)
+    routed_experts: torch.Tensor | None = None  # [T, n_moe_layers, topk] int
+    reward_names: list[str] | None = None  # names of the K reward dimensions
     extras: dict = field(default_factory=dict)  # method-specific per-seq tensors [B, ...]
 
     # ----------------------------------------------------------------------------- shape info
@@ -96,13 +95,13 @@ class PackedBatch:
         return segment_sum(self.loss_mask.to(torch.float64), self.cu_seqlens).round().long()
 
     # ----------------------------------------------------------------------------- validation
-    def validate(self) -> "PackedBatch":
+    def validate(self) -> PackedBatch:
         """Check shapes, dtypes and consistency; raise ``BatchValidationError`` naming the field."""
         _validate_packed(self)
         return self
 
     # ----------------------------------------------------------------------------- slicing
-    def select(self, seq_ids: torch.Tensor | list[int]) -> "PackedBatch":
+    def select(self, seq_ids: torch.Tensor | list[int]) -> PackedBatch:
         """A new packed batch with only the sequences ``seq_ids`` (in that order)."""
         ids = torch.as_tensor(seq_ids, dtype=torch.long)
         lens = self.seq_lens[ids]
@@ -128,7 +127,7 @@ class PackedBatch:
                 kw[f.name] = v
         return PackedBatch(**kw)
 
-    def split(self, num_micro_batches: int) -> list["PackedBatch"]:
+    def split(self, num_micro_batches: int) -> list[PackedBatch]:
         """Split into ``num_micro_batches`` contiguous runs of whole sequences (sizes differ by <= 1)."""
         if num_micro_batches < 1 or num_micro_batches > max(self.num_seqs, 1):
             raise BatchValidationError(

@@ -49,7 +49,7 @@ def rl_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, adv:
     elif correction == "seq_geo_mask":
         pg = pg * corrections.seq_geo_mask(old_logp, rollout_logp, mask, corr_low, corr_high)
 
-    agg = lambda x: aggregation.aggregate(x, mask, aggregation_mode, max_len)  # noqa: E731
+    agg = lambda x: aggregation.aggregate(x, mask, aggregation_mode, max_len)
     loss = agg(pg)
     if kl_coef:
         loss = loss + kl_coef * agg(KL_ESTIMATORS[kl_estimator](logp, ref_logp))

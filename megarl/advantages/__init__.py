@@ -5,8 +5,24 @@ advantages (0 off the loss mask). Run them on the whole batch of complete groups
 split into micro-batches or data-parallel shards.
 """
 
-from megarl.advantages.estimators import (ADVANTAGE_ESTIMATORS, compute_advantages, dr_grpo, gae, grpo,
-                                          reinforce_pp, reinforce_pp_baseline, rloo)
+from megarl.advantages.estimators import (
+                                          ADVANTAGE_ESTIMATORS,
+                                          compute_advantages,
+                                          dr_grpo,
+                                          gae,
+                                          grpo,
+                                          reinforce_pp,
+                                          reinforce_pp_baseline,
+                                          rloo,
+)
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "compute_advantages", "grpo", "dr_grpo", "rloo", "reinforce_pp",
-           "reinforce_pp_baseline", "gae"]
+__all__ = [
+                                          "ADVANTAGE_ESTIMATORS",
+                                          "compute_advantages",
+                                          "dr_grpo",
+                                          "gae",
+                                          "grpo",
+                                          "reinforce_pp",
+                                          "reinforce_pp_baseline",
+                                          "rloo",
+]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from megarl.batch import PackedBatch
-from megarl.ops.segments import (broadcast_to_tokens, group_all_equal, group_leave_one_out_mean, group_mean,
-                                 group_std)
+from megarl.ops.segments import (
+    broadcast_to_tokens,
+    group_all_equal,
+    group_leave_one_out_mean,
+    group_mean,
+    group_std,
+)
 from megarl.registry import Registry
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage_estimator")
@@ -99,7 +102,7 @@ def _last_token_rewards(batch: PackedBatch, rewards: torch.Tensor) -> torch.Tens
     return out
 
 
-def reinforce_pp(batch: PackedBatch, kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+def reinforce_pp(batch: PackedBatch, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
                  gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++: whitened discounted return of (outcome reward at the last token - β·kl); [T]."""
     m = batch.loss_mask.double()

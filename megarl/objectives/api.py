@@ -15,7 +15,7 @@ average (or the caller multiplies by the DP size after an averaging reduction).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ class GlobalNormalisers:
 
     @staticmethod
     def from_batch(batch: PackedBatch, dp_group: Any = None,
-                   max_response_len: float = 0.0) -> "GlobalNormalisers":
+                   max_response_len: float = 0.0) -> GlobalNormalisers:
         """Count over this rank's whole (pre-split) batch, summed over ``dp_group`` when given."""
         ntok = segment_sum(batch.loss_mask.double(), batch.cu_seqlens)
         stats = torch.tensor([float(ntok.sum()), float((ntok > 0).sum()), float(ntok.max())],
@@ -58,10 +58,10 @@ class LossContext:
     """What an objective needs besides logits and batch: groups and global normalisers."""
 
     normalisers: GlobalNormalisers
-    tp_group: Optional[dist.ProcessGroup] = None  # vocab-parallel group of the logits; None = TP 1
-    chunk_tokens: Optional[int] = None  # token chunk of the vocab-parallel ops; None: ~2**24 elements
+    tp_group: dist.ProcessGroup | None = None  # vocab-parallel group of the logits; None = TP 1
+    chunk_tokens: int | None = None  # token chunk of the vocab-parallel ops; None: ~2**24 elements
     step: int = 0  # optimizer step (for schedules inside objectives)
-    teacher_logits: Optional[torch.Tensor] = None  # [T, V/tp], same sharding, for full-vocab distillation
+    teacher_logits: torch.Tensor | None = None  # [T, V/tp], same sharding, for full-vocab distillation
 
 
 @dataclass

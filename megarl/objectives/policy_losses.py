@@ -6,7 +6,7 @@ dual_clip) -> [T]``; the formulas and provenance are in reference/policy_losses.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -18,7 +18,7 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy_loss")
 
 
 @POLICY_LOSSES.register("ppo")
-def ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip: Optional[float] = None):
+def ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip: float | None = None):
     """PPO clip with asymmetric bounds and optional dual clip (A < 0)."""
     ratio = torch.exp(logp - old_logp)
     loss = torch.maximum(-ratio * adv, -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv)

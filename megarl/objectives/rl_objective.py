@@ -8,7 +8,7 @@ Equal, by the property tests, to reference/loss.py:rl_loss on the padded batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -30,7 +30,7 @@ class ObjectiveConfig:
     policy_loss: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.28
-    dual_clip: Optional[float] = None
+    dual_clip: float | None = None
     aggregation: str = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -45,7 +45,7 @@ class ObjectiveConfig:
     # extra loss terms: [{"name": <REGULARISERS key>, "coef": float, <knobs>...}], each aggregated like the rest
     regularisers: list = field(default_factory=list)
 
-    def validate(self) -> "ObjectiveConfig":
+    def validate(self) -> ObjectiveConfig:
         """Fail early with the offending key and the allowed values."""
         for key, reg in (("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
                          ("correction", CORRECTIONS), ("distill", DISTILLATION)):

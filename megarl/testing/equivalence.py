@@ -8,8 +8,9 @@ shipped to worker processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ class Case:
     batch: PackedBatch
     logits: torch.Tensor  # [T, V]
     cfg: ObjectiveConfig
-    teacher_logits: Optional[torch.Tensor] = None  # [T, V]
+    teacher_logits: torch.Tensor | None = None  # [T, V]
     extra: dict = field(default_factory=dict)
 
 
@@ -65,7 +66,7 @@ def split_sequences(num_seqs: int, parts: int) -> list[list[int]]:
 
 
 def megarl_rank_loss_and_grad(case: Case, rank: int, group: Any, tp: int, dp: int = 1, micro_batches: int = 1,
-                              objective: Optional[Callable] = None, chunk_tokens: int = 3
+                              objective: Callable | None = None, chunk_tokens: int = 3
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """What TP rank ``rank`` computes: the summed loss contributions of every DP shard and
     micro-batch (DP ranks are played one after the other), and its gradient shard [T, V/tp].
@@ -101,7 +102,7 @@ def megarl_rank_loss_and_grad(case: Case, rank: int, group: Any, tp: int, dp: in
 
 
 def megarl_loss_and_grad(case: Case, tp: int, dp: int = 1, micro_batches: int = 1,
-                         objective: Optional[Callable] = None, chunk_tokens: int = 3
+                         objective: Callable | None = None, chunk_tokens: int = 3
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss (checked identical on every TP rank) and the full packed gradient [T, V], with TP
     ranks simulated as threads."""

@@ -9,7 +9,8 @@ It does not exercise the real transport: megarl.testing.gloo_pool does that.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ class CollectiveMismatch(RuntimeError):
 class SimulatedGroup:
     """One rank's handle on a SimulatedWorld; quacks like a process group for megarl.ops.comm."""
 
-    def __init__(self, world: "SimulatedWorld", rank: int):
+    def __init__(self, world: SimulatedWorld, rank: int):
         self._world, self._rank, self.calls = world, rank, 0
 
     def rank(self) -> int:

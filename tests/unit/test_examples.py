@@ -7,12 +7,12 @@ import pytest
 import torch
 import yaml
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.objectives.rl_objective import build_objective
 from megarl.testing.equivalence import megarl_loss_and_grad, reference_loss_and_grad
 from tests.property.strategies import rl_cases
-from hypothesis import strategies as st
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "methods").glob("core-*.yaml"))
 
@@ -61,9 +61,9 @@ def test_unknown_regulariser_is_named():
 
 
 def test_registered_regulariser_is_added_to_the_loss():
+    from megarl.batch import from_sequences
     from megarl.objectives.api import GlobalNormalisers, LossContext
     from megarl.objectives.regularisers import REGULARISERS
-    from megarl.batch import from_sequences
 
     if "test_logp_sum" not in REGULARISERS:
         REGULARISERS.register("test_logp_sum")(lambda logits, logp, old, batch, ctx, scale=1.0: scale * logp)
