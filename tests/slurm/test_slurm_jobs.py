@@ -106,7 +106,8 @@ def jobs(slurm_cluster: SlurmCluster, work: Path) -> dict[str, Job]:
             "MEGARL_LEARNER_NODES": "2", "MEGARL_ROLLOUT_NODES": "1", "MEGARL_ROLLOUT_CMD": STANDIN,
             "MEGARL_LEARNER_CMD": "true"})
     jobs["proxy"] = submit(c, "proxy_repro.sbatch", work, "proxy", ["--nodes=1"], {
-        "MEGARL_LEARNER_CMD": f"{SELFTEST} --steps 2"})
+        "MEGARL_LEARNER_CMD": "printenv RANK WORLD_SIZE LOCAL_RANK CUBLAS_WORKSPACE_CONFIG NCCL_ALGO "
+                              "MEGARL_DIST_TIMEOUT_S", "MEGARL_DIST_TIMEOUT": ""})  # "": the template's default
     return jobs
 
 
@@ -238,13 +239,14 @@ def test_rollout_server_exit_is_named(slurm_cluster: SlurmCluster, work: Path, j
 
 
 def test_proxy_template_runs_learner_only(slurm_cluster: SlurmCluster, jobs):
-    """proxy_repro template with its command replaced by the self-test (`megarl proxy replay` is issue 5's)."""
+    """proxy_repro template with its command replaced (`megarl proxy replay` is issue 5's): the learner rank gets
+    the torch.distributed variables, the template's determinism switches and its 600 s collective timeout."""
     job = jobs["proxy"]
     info = wait_state(slurm_cluster, job, FINAL, timeout=120)
     text = job.text()
     assert info["JobState"] == "COMPLETED", text
-    assert "megarl-proxy: job" in text and "rollout servers=0" in text
-    assert "selftest: done steps=2" in text and "waiting for rollout" not in text
+    assert "megarl-proxy: job" in text and "rollout servers=0" in text and "waiting for rollout" not in text
+    assert "\n0\n1\n0\n:4096:8\nRing\n600.0\n" in text, text
 
 
 def test_hostlist_matches_scontrol(slurm_cluster: SlurmCluster):
