@@ -20,6 +20,22 @@ from megarl.rollout.types import (EngineDeadError, GenerateRequest, GenerateResu
 from megarl.rollout.weights import check_weights_dir
 
 
+def decode_routed_experts(payload: Optional[str]):
+    """vLLM's ``routed_experts`` (base64 of a ``.npy``; servers started with
+    ``--enable-return-routed-experts``) -> int64 tensor [P+R-1, moe_layers, topk], or None.
+    The last sampled token was never forwarded, so it has no routing row."""
+    if payload is None:
+        return None
+    import base64
+    import io
+
+    import numpy as np
+    import torch
+
+    arr = np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)
+    return torch.from_numpy(arr.astype(np.int64))
+
+
 class VLLMEngine(HttpEngine):
     """``RolloutEngine`` over one vLLM server.
 
@@ -28,6 +44,9 @@ class VLLMEngine(HttpEngine):
       model: the ``--served-model-name``.
       reference_weights_dir: a checkpoint of the served model; its tensor names are what a new
         weights directory must contain (checked before every reload).
+
+    Routed experts (MoE replay) come back in ``Sample.routed_experts`` when the server was started
+    with ``--enable-return-routed-experts`` (a server-wide switch in vLLM 0.32, not per request).
     """
 
     def __init__(self, base_url: str, model: str, *, reference_weights_dir: Optional[str | os.PathLike] = None,
@@ -53,8 +72,6 @@ class VLLMEngine(HttpEngine):
         if sp.stop_strings:
             body["stop"] = list(sp.stop_strings)
             body["include_stop_str_in_output"] = True
-        if req.return_routed_experts:
-            body["return_routed_experts"] = True
         return body
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
@@ -71,7 +88,8 @@ class VLLMEngine(HttpEngine):
                     raise RolloutError(f"{self.name}: choice {c['index']} has {len(ids)} token ids but "
                                        f"{len(logprobs)} logprobs")
                 samples.append(Sample(token_ids=ids, logprobs=logprobs, finish_reason=str(c["finish_reason"]),
-                                      stop_reason=c.get("stop_reason"), routed_experts=c.get("routed_experts")))
+                                      stop_reason=c.get("stop_reason"),
+                                      routed_experts=decode_routed_experts(c.get("routed_experts"))))
         except (KeyError, TypeError) as e:
             raise RolloutError(f"{self.name}: unexpected /v1/completions response (missing {e}): "
                                f"{str(body)[:300]}") from e

@@ -52,3 +52,18 @@ def test_forwarder_answers_502_when_the_engine_is_gone():
             assert (await c.get("/docs", headers=ok_key)).status_code == 404
         await proxy.stop()
     asyncio.run(go())
+
+
+def test_serve_entry_point_refuses_without_keys_and_reports_launch_failure(tiny_models, tmp_path):
+    import subprocess
+    base = [sys.executable, "-m", "megarl.rollout.serve", "--model", str(tiny_models["v1"]), "--host", "127.0.0.1",
+            "--port", str(free_port()), "--python", sys.executable, "--work-dir", str(tmp_path)]
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MEGARL_ROLLOUT_")}
+    r = subprocess.run(base, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no rollout keys" in r.stderr
+    keys = RolloutKeys.generate()
+    keyfile = keys.write(tmp_path / "keys.json")
+    r = subprocess.run(base, env={**env, "MEGARL_ROLLOUT_KEY_FILE": str(keyfile)}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "No module named 'vllm'" in r.stderr  # the server's log tail, named
+    assert keys.api_key not in r.stderr

@@ -6,6 +6,7 @@ import asyncio
 import os
 
 import pytest
+import torch
 
 from megarl.rollout.embedded import EmbeddedEngine
 from megarl.rollout.environments import GuessingGame
@@ -159,3 +160,18 @@ def test_weights_dir_checks(tiny_models, tmp_path):
     save_file({"lm_head.weight": torch.zeros(2, 2)}, str(other / "model.safetensors"))
     with pytest.raises(WeightsDirError, match="tensor names differ from the served model: missing"):
         check_weights_dir(other, names)
+
+
+def test_vllm_routed_experts_payload_decodes():
+    """vLLM 0.32 sends routed experts as base64 of a .npy array (see its CompletionResponseChoice)."""
+    import base64
+    import io
+
+    import numpy as np
+    from megarl.rollout.vllm_client import decode_routed_experts
+    arr = np.arange(5 * 3 * 2, dtype=np.uint8).reshape(5, 3, 2)
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    out = decode_routed_experts(base64.b64encode(buf.getvalue()).decode())
+    assert out.shape == (5, 3, 2) and out.dtype == torch.int64 and out.tolist() == arr.tolist()
+    assert decode_routed_experts(None) is None
