@@ -22,6 +22,8 @@ from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 
+import megarl.methods.trust_regions  # noqa: E402,F401  (registers method family 1's parts by name)
+
 
 @dataclass
 class ObjectiveConfig:
@@ -78,6 +80,41 @@ class RLObjective:
 
     def __init__(self, cfg: ObjectiveConfig):
         self.cfg = cfg.validate()
+        # state of stateful parts (e.g. EPPO's per-task entropy EMA), keyed by config path
+        self.state: dict[str, Any] = {}
+        for key, fn, knobs in self._parts():
+            if hasattr(fn, "make_state"):
+                self.state[key] = fn.make_state(**knobs)
+
+    def _parts(self):
+        """(config path, registered function, knobs) of the policy loss and every regulariser."""
+        yield "policy_loss", POLICY_LOSSES.get(self.cfg.policy_loss), dict(self.cfg.policy_loss_args)
+        for i, reg in enumerate(self.cfg.regularisers):
+            knobs = {k: v for k, v in reg.items() if k not in ("name", "coef")}
+            yield f"regularisers.{i}", REGULARISERS.get(reg["name"]), knobs
+
+    def prepare(self, batch: PackedBatch, dp_group: Any = None) -> PackedBatch:
+        """Call once per optimizer step on this DP rank's whole batch, before splitting it into
+        micro-batches. Parts that need statistics of the global batch (a ``prepare`` attribute:
+        GAPO's mean |A|, CoKL's group weights, EPPO's task entropies) compute them here, reduced
+        over ``dp_group``, store them per sequence in ``batch.extras`` and update their state.
+        A no-op for the core parts; returns the batch to split."""
+        for key, fn, knobs in self._parts():
+            prep = getattr(fn, "prepare", None)
+            if prep is not None:
+                batch = prep(batch, dp_group, self.state.get(key), **knobs)
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """State of the stateful parts, to save in a checkpoint ({} when there are none)."""
+        return {k: v.state_dict() for k, v in self.state.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; a missing or unexpected part is an error naming it."""
+        if set(state) != set(self.state):
+            raise ValueError(f"objective state has parts {sorted(state)}, this objective {sorted(self.state)}")
+        for k, v in state.items():
+            self.state[k].load_state_dict(v)
 
     def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput:
         cfg, norm = self.cfg, ctx.normalisers
@@ -98,8 +135,13 @@ class RLObjective:
             return aggregate(x, mask, cu, cfg.aggregation, norm)
 
         pg = POLICY_LOSSES.get(cfg.policy_loss)(logp, old, adv, mask, cu, cfg.clip_low, cfg.clip_high,
-                                                cfg.dual_clip, **_policy_extra(cfg, batch, ctx))
+                                                cfg.dual_clip, **_policy_extra(cfg, batch, ctx, ent))
         metrics: dict[str, torch.Tensor] = {}
+        token_metrics = getattr(POLICY_LOSSES.get(cfg.policy_loss), "token_metrics", None)
+        if token_metrics is not None:  # per-token diagnostics of the loss, token-mean over the global batch
+            for k, v in token_metrics(logp.detach(), old, adv, mask, cu, cfg.clip_low, cfg.clip_high,
+                                      cfg.dual_clip, **_policy_extra(cfg, batch, ctx, ent)).items():
+                metrics[f"{cfg.policy_loss}/{k}"] = _token_mean(v, mask, norm)
         if cfg.correction != "none":
             if batch.rollout_logprobs is None or batch.old_logprobs is None:
                 raise ValueError(f"correction={cfg.correction!r} needs 'old_logprobs' and 'rollout_logprobs'")
@@ -126,7 +168,10 @@ class RLObjective:
             metrics["distill"] = d.detach()
         for reg in cfg.regularisers:
             knobs = {k: v for k, v in reg.items() if k not in ("name", "coef")}
-            term = agg(REGULARISERS.get(reg["name"])(logits, logp, old, batch, ctx, **knobs))
+            reg_fn = REGULARISERS.get(reg["name"])
+            term = reg_fn(logits, logp, old, batch, ctx, **knobs)
+            # a group-level term (CoKL) returns its globally normalised scalar contribution itself
+            term = term if getattr(reg_fn, "aggregates_itself", False) else agg(term)
             loss = loss + reg["coef"] * term
             metrics[f"reg/{reg['name']}"] = term.detach()
         ratio = torch.exp(logp.detach() - old)
@@ -141,12 +186,17 @@ class RLObjective:
         return LossOutput(loss=loss, metrics=metrics)
 
 
-def _policy_extra(cfg: ObjectiveConfig, batch: PackedBatch, ctx: LossContext) -> dict[str, Any]:
+def _policy_extra(cfg: ObjectiveConfig, batch: PackedBatch, ctx: LossContext,
+                  ent: Optional[torch.Tensor] = None) -> dict[str, Any]:
     """Extra policy-loss keyword arguments: the configured knobs (losses that need the batch or
-    context take them as ``batch=``/``ctx=`` keywords when they declare ``needs_context``)."""
+    context take them as ``batch=``/``ctx=`` keywords when they declare ``needs_context``; losses
+    that declare ``needs_entropy`` get the current policy's full-vocab entropy as ``entropy=``)."""
     extra = dict(cfg.policy_loss_args)
-    if getattr(POLICY_LOSSES.get(cfg.policy_loss), "needs_context", False):
+    loss_fn = POLICY_LOSSES.get(cfg.policy_loss)
+    if getattr(loss_fn, "needs_context", False):
         extra.update(batch=batch, ctx=ctx)
+    if getattr(loss_fn, "needs_entropy", False):
+        extra.update(entropy=ent)
     return extra
 
 
