@@ -169,3 +169,7 @@ def compute_advantages(batch: PackedBatch, estimator: str, **knobs) -> torch.Ten
     adv = ADVANTAGE_ESTIMATORS.get(estimator)(batch, **knobs)
     batch.advantages = adv.to(torch.float32)
     return batch.advantages
+
+
+# Method families register their estimators on import; keep this last (they import this module).
+import megarl.methods.credit  # noqa: E402,F401
