@@ -127,7 +127,10 @@ def max_over_world(x: float) -> float:
 
 
 LAYOUTS = {"tp1": ParallelLayout(), "tp2": ParallelLayout(tp=2), "tp2sp": ParallelLayout(tp=2, sequence_parallel=True),
-           "pp2": ParallelLayout(pp=2), "ep2": ParallelLayout(ep=2), "tp2ep2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1)}
+           "pp2": ParallelLayout(pp=2), "ep2": ParallelLayout(ep=2), "tp2ep2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
+           # four ranks
+           "tp2pp2": ParallelLayout(tp=2, pp=2), "tp2ep2dp2": ParallelLayout(tp=2, ep=2, sequence_parallel=True),
+           "tp2pp2ep2": ParallelLayout(tp=2, pp=2, ep=2, sequence_parallel=True, expert_tp=1)}
 
 
 # ----------------------------------------------------------------------------- cases
@@ -272,9 +275,47 @@ def case_checkpoint(args, moe: bool, layout_name: str, load_layout: str | None =
     return res
 
 
+def case_export(args, moe: bool, layout_name: str) -> dict:
+    """Weight export for rollout engines: bucketed iterator (bounded size) and a safetensors directory
+    that transformers loads and that reproduces the trained model's logprobs."""
+    import json as _json
+
+    from megarl.convert.hf_megatron import iter_hf_buckets, save_hf_checkpoint
+
+    hf, d = make_hf_model(moe, args.workdir)
+    ln = learner_for(LAYOUTS[layout_name], d)
+    batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    ln.train_step(dp_shard(batch, ln), PolicyGradientObjective())
+    bucket_bytes = 40_000
+    sizes = [sum(t.numel() * t.element_size() for t in b.values()) for b in iter_hf_buckets(ln.model, ln.groups,
+                                                                                            bucket_bytes)]
+    biggest_tensor = max(t.numel() * t.element_size() for _, t in iter_hf_tensors(ln.model, ln.groups))
+    out = os.path.join(args.workdir, f"export-{'moe' if moe else 'dense'}-{layout_name}")
+    hf_cfg = _json.load(open(os.path.join(d, "config.json")))
+    save_hf_checkpoint(ln.model, ln.groups, out, hf_config=hf_cfg, bucket_bytes=bucket_bytes)
+    # reload the exported dir with transformers and compare logprobs with the learner's
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    probe = make_batch(21)
+    lp, _ = ln.compute_logprobs(probe)
+    ref = torch.log_softmax(hf_logits_per_seq(reloaded, probe), -1)
+    ref_lp = torch.zeros_like(lp)
+    cu = probe.cu_seqlens.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        ref_lp[a + 1:b] = ref[a:b - 1].gather(-1, probe.tokens[a + 1:b, None])[:, 0]
+    diff = float((lp - ref_lp).abs().max())
+    ok_sizes = all(s <= max(bucket_bytes, biggest_tensor) for s in sizes)
+    n_files = len([f for f in os.listdir(out) if f.endswith(".safetensors")])
+    return {"num_buckets": len(sizes), "max_bucket_bytes": max(sizes), "bucket_bytes": bucket_bytes,
+            "biggest_tensor_bytes": biggest_tensor, "files": n_files, "logprob_diff_vs_reloaded": diff,
+            "ok": ok_sizes and len(sizes) > 1 and n_files == len(sizes) and diff <= PARITY_TOL}
+
+
 CASES = {
     "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
     "invariance": case_invariance, "checkpoint": case_checkpoint,
+    "export": case_export,
 }
 
 
