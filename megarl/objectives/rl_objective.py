@@ -23,6 +23,7 @@ from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 
 import megarl.methods.trust_regions  # noqa: E402,F401  (registers method family 1's parts by name)
+import megarl.methods.credit  # noqa: E402,F401  (registers method family 2's parts by name)
 
 
 @dataclass

@@ -3,8 +3,10 @@
 Needs the behaviour policy's full-vocabulary entropy per token in ``batch.entropies`` (the learner's
 old-logprob pass computes it from vocab-parallel logits: ``Learner.compute_logprobs(...,
 with_entropy=True)``, or ``megarl.ops.vocab_parallel.vocab_parallel_entropy``). The entropy
-history is a ``GEPOHistory`` the trainer keeps across steps and saves in checkpoints
-(``state_dict``/``load_state_dict``).
+history is a ``GEPOHistory``: the caller makes it once with the estimator's ``make_state(**knobs)``
+(the same convention as the objective's stateful parts), passes it as ``state=`` every step and
+saves ``state.state_dict()`` in checkpoints. Without ``state`` the thresholds come from the
+current batch only.
 """
 
 from __future__ import annotations
@@ -72,11 +74,14 @@ def gepo(rewards: torch.Tensor, group_ids: torch.Tensor, h_seq: torch.Tensor, hi
 
 @ADVANTAGE_ESTIMATORS.register("gepo")
 def _gepo(batch, k: float = 0.5, beta: float = 0.9, eps: float = 1e-6,
-          history: Optional[GEPOHistory] = None) -> torch.Tensor:
-    """GEPO on every loss token; ``history`` (kept by the caller across steps) defaults to a fresh one."""
+          state: Optional[GEPOHistory] = None) -> torch.Tensor:
+    """GEPO on every loss token; ``state`` (kept by the caller across steps) defaults to a fresh one."""
     if batch.entropies is None:
         raise ValueError("advantage_estimator=gepo needs the batch field 'entropies' (behaviour-policy entropy)")
-    if history is None:
-        history = GEPOHistory(beta=beta)
+    if state is None:
+        state = GEPOHistory(beta=beta)
     h = group_entropy(batch.entropies, batch.loss_mask, batch.cu_seqlens, batch.group_ids)
-    return _per_token(batch, gepo(_scalar_rewards(batch), batch.group_ids, h, history, k, eps))
+    return _per_token(batch, gepo(_scalar_rewards(batch), batch.group_ids, h, state, k, eps))
+
+
+_gepo.make_state = lambda k=0.5, beta=0.9, eps=1e-6: GEPOHistory(beta=beta)
