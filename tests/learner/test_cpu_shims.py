@@ -1,0 +1,74 @@
+"""The CPU shims stay out of GPU code paths, and do what they claim on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Imports every learner/convert module and the GPU-path entry points, with CUDA reported present,
+# then lists which megarl.learner modules got imported. Nothing is run on a device.
+_PROBE = r"""
+import json, sys, torch
+torch.cuda.is_available = lambda: True
+import megarl.learner, megarl.learner.parallel, megarl.learner.model, megarl.learner.forward
+import megarl.learner.learner, megarl.learner.checkpoint, megarl.convert.hf_megatron, megarl.convert.plan
+from megarl.learner.parallel import use_cuda
+print(json.dumps({"use_cuda": use_cuda(), "modules": sorted(m for m in sys.modules if m.startswith("megarl.learner"))}))
+"""
+
+
+def test_gpu_path_never_imports_cpu_shims():
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["use_cuda"] is True
+    assert "megarl.learner.learner" in res["modules"]  # the probe did import the learner
+    assert "megarl.learner.cpu_shims" not in res["modules"]
+
+
+_APPLY = r"""
+import json, torch
+from megarl.learner.cpu_shims import apply_cpu_shims
+apply_cpu_shims()
+from megatron.core.transformer.moe import moe_utils
+x = torch.zeros(2, device="cuda")                 # P8: lands on the CPU
+y = torch.ones(3).cuda()                          # P8: no-op
+torch.cuda.manual_seed(5); a = torch.rand(1)      # P2: seeds the CPU generator
+torch.manual_seed(5); b = torch.rand(1)
+s = torch.cuda.current_stream(); s.wait_stream(s)  # P5
+print(json.dumps({"x": str(x.device), "y": str(y.device), "same_rng": bool(a == b),
+                  "dev": str(torch.cuda.current_device()), "type": torch.zeros(1).type(),
+                  "te_gemm": moe_utils.te_general_gemm is None,
+                  "numpy": type(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__}))
+"""
+
+
+def test_shims_on_cpu():
+    out = subprocess.run([sys.executable, "-c", _APPLY], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res == {"x": "cpu", "y": "cpu", "same_rng": True, "dev": "cpu", "type": "torch.cuda.FloatTensor",
+                   "te_gemm": True, "numpy": "ndarray"}
+
+
+_REFUSE = r"""
+import torch
+torch.cuda.is_available = lambda: True
+from megarl.learner.cpu_shims import apply_cpu_shims
+try:
+    apply_cpu_shims()
+except RuntimeError as e:
+    print("refused:", e)
+"""
+
+
+def test_shims_refuse_when_cuda_present():
+    out = subprocess.run([sys.executable, "-c", _REFUSE], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert "refused:" in out.stdout, out.stdout + out.stderr[-2000:]
