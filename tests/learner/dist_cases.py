@@ -129,7 +129,7 @@ def max_over_world(x: float) -> float:
 LAYOUTS = {"tp1": ParallelLayout(), "tp2": ParallelLayout(tp=2), "tp2sp": ParallelLayout(tp=2, sequence_parallel=True),
            "pp2": ParallelLayout(pp=2), "ep2": ParallelLayout(ep=2), "tp2ep2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
            # four ranks
-           "tp2pp2": ParallelLayout(tp=2, pp=2), "tp2ep2dp2": ParallelLayout(tp=2, ep=2, sequence_parallel=True),
+           "tp2pp2": ParallelLayout(tp=2, pp=2), "tp2ep2dp2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
            "tp2pp2ep2": ParallelLayout(tp=2, pp=2, ep=2, sequence_parallel=True, expert_tp=1)}
 
 

@@ -31,8 +31,9 @@ CASES_2 = [
     "checkpoint:moe:tp2sp:pp2",
     "export:dense:tp2", "export:moe:ep2",
 ]
-CASES_4 = ["invariance:dense:tp2pp2", "invariance:moe:tp2ep2dp2", "parity:moe:tp2pp2ep2", "roundtrip:moe:tp2pp2ep2",
-           "checkpoint:dense:tp2pp2:tp1"]
+# 4 processes on CI's 2 cores: kept short. (expert_tp > 1 together with ep > 1 cannot run on gloo:
+# megatron's alltoall dispatcher all-gathers unequal token counts over the expert-TP group.)
+CASES_4 = ["invariance:dense:tp2pp2", "invariance:moe:tp2ep2dp2", "parity:moe:tp2pp2ep2", "roundtrip:moe:tp2pp2ep2"]
 
 
 def _free_port() -> int:
