@@ -1,0 +1,75 @@
+"""Rewards of a batch of responses: one value per named dimension, weighted sum as the scalar reward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from megarl.rewards.builtin import exact_match, regex_match
+from megarl.rewards.sandbox import ContainedFunction
+
+
+@dataclass
+class RewardResult:
+    """``scalar``: [B] weighted sum; ``dims``: name -> [B]; counts of contained failures."""
+
+    scalar: torch.Tensor
+    dims: dict[str, torch.Tensor]
+    errors: int = 0
+    timeouts: int = 0
+    failures: list[str] = field(default_factory=list)  # first few failure messages
+
+
+class RewardComputer:
+    """Built from ``RewardConfig``; ``__call__(responses, answers) -> RewardResult``."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._fns: list[tuple[str, float, Callable | ContainedFunction]] = []
+        for f in cfg.functions:
+            if f.kind == "exact_match":
+                fn: Callable | ContainedFunction = exact_match
+            elif f.kind == "regex":
+                pattern = f.pattern
+                fn = lambda r, a, _p=pattern: regex_match(r, a, _p)  # noqa: E731
+            else:
+                fn = ContainedFunction(f.function, f.kwargs, cfg.timeout_s)
+            self._fns.append((f.name, f.weight, fn))
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _, _ in self._fns]
+
+    def __call__(self, responses: list[str], answers: list[str]) -> RewardResult:
+        B = len(responses)
+        dims: dict[str, torch.Tensor] = {}
+        errors = timeouts = 0
+        failures: list[str] = []
+        scalar = torch.zeros(B, dtype=torch.float32)
+        for name, weight, fn in self._fns:
+            vals = torch.zeros(B, dtype=torch.float32)
+            for i, (r, a) in enumerate(zip(responses, answers)):
+                if isinstance(fn, ContainedFunction):
+                    v, why = fn.call(r, a)
+                else:
+                    v, why = float(fn(r, a)), None
+                if v is None:
+                    v = self.cfg.fallback
+                    if why == "timeout":
+                        timeouts += 1
+                    else:
+                        errors += 1
+                    if len(failures) < 5:
+                        failures.append(f"reward {name!r}, sample {i}: {why}")
+                vals[i] = v
+            dims[name] = vals
+            scalar += weight * vals
+        return RewardResult(scalar=scalar, dims=dims, errors=errors, timeouts=timeouts, failures=failures)
+
+    def close(self) -> None:
+        """Stop the worker processes of contained functions."""
+        for _, _, fn in self._fns:
+            if isinstance(fn, ContainedFunction):
+                fn.close()

@@ -1,0 +1,1 @@
+"""The trainer: typed config, the synchronous RL loop, run-directory checkpoints, metrics, CLI."""

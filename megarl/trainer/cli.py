@@ -1,0 +1,49 @@
+"""``megarl train CONFIG.yaml [section.key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, load and check the config, run the trainer; returns the exit code."""
+    ap = argparse.ArgumentParser(
+        prog="megarl train",
+        description="Run an RL job from a YAML config. Overrides: section.key=value (YAML values), e.g. "
+                    "schedule.steps=20 logging.run_dir=runs/try2. Resumes from the newest checkpoint in "
+                    "logging.run_dir unless checkpoint.resume=never.")
+    ap.add_argument("config", help="YAML config (see examples/quickstart.yaml, docs/trainer.md)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    ap.add_argument("--check", action="store_true", help="validate the config and exit")
+    args = ap.parse_args(argv)
+
+    from megarl.trainer.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"megarl train: config error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"megarl train: {args.config}: config OK")
+        return 0
+    torch_threads = os.environ.get("MEGARL_NUM_THREADS")
+    import torch
+
+    if torch_threads:
+        torch.set_num_threads(int(torch_threads))
+    from megarl.data.dataset import DataError
+    from megarl.trainer.loop import Trainer
+
+    try:
+        return Trainer(cfg).run()
+    except (ConfigError, DataError) as e:
+        kind = "config" if isinstance(e, ConfigError) else "data"
+        print(f"megarl train: {kind} error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,489 @@
+"""The typed run configuration of ``megarl train``: dataclasses loaded from YAML plus ``key=value`` overrides.
+
+Every section is a dataclass; loading checks every key against the dataclass fields and every value
+against the field's type (``Literal`` fields list their allowed values), so a typo or a wrong type
+fails at start with one message naming the dotted key. ``check_layout`` then checks the parallel
+layout against the model's shapes and the world size. ``save_resolved`` writes the fully resolved
+config (defaults filled in) into the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from megarl.objectives.rl_objective import ObjectiveConfig
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the dotted key and what is allowed."""
+
+
+# ----------------------------------------------------------------------------------------- sections
+@dataclass
+class ModelConfig:
+    """The policy model. ``hf_dir``: start from a HF checkpoint (config + safetensors); else a model
+    is built with random weights from ``hf_config`` (a HF config dict, e.g. a tiny Qwen3)."""
+
+    hf_dir: Optional[str] = None
+    hf_config: dict = field(default_factory=dict)
+    tokenizer: Literal["char", "hf"] = "char"  # char: megarl.data.tokenizer.CharTokenizer over `alphabet`
+    alphabet: str = "0123456789+-=*/ ()"
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 1234
+
+
+@dataclass
+class ParallelConfig:
+    """Learner layout; DP = world_size / (tp * pp * cp). ``world_size`` 0 = take it from torchrun."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    expert_tp: Optional[int] = None
+    world_size: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are sampled. ``engine: embedded`` generates in this process with the current
+    weights (synced in memory after every step); ``vllm`` / ``sglang`` talk to servers at ``urls``
+    and reload weights from disk."""
+
+    engine: Literal["embedded", "vllm", "sglang"] = "embedded"
+    urls: list = field(default_factory=list)
+    n: int = 8  # samples per prompt (the group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    max_concurrency: int = 64
+    weights_dir: Optional[str] = None  # server engines: where exported weights go (default run_dir/weights)
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets (jsonl; ``path`` may be a glob). ``generate`` writes a synthetic task dataset
+    first when the files do not exist (the quickstart's data)."""
+
+    train: str = ""
+    eval: str = ""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    task_field: str = "task"
+    prompt_template: str = "{prompt}"
+    on_bad_row: Literal["fatal", "skip"] = "fatal"
+    max_bad_rows: int = 10  # with on_bad_row=skip: more bad rows than this is fatal
+    generate: Optional[dict] = None  # {task: reverse|add|copy, ...} see megarl.data.tasks
+
+
+@dataclass
+class RewardFunctionConfig:
+    """One named reward dimension. ``kind``: exact_match | regex | python (``function`` = "module:name")."""
+
+    name: str = "correct"
+    kind: Literal["exact_match", "regex", "python"] = "exact_match"
+    weight: float = 1.0
+    pattern: Optional[str] = None  # regex: a match (with the answer substituted for {answer}) = 1
+    function: Optional[str] = None  # python: "package.module:function"
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RewardConfig:
+    """Reward dimensions; the scalar reward is their weighted sum. A python reward function that
+    raises or runs past ``timeout_s`` gets ``fallback`` and is counted in the metrics."""
+
+    functions: list = field(default_factory=lambda: [RewardFunctionConfig()])
+    timeout_s: float = 5.0
+    fallback: float = 0.0
+
+
+@dataclass
+class AdvantageConfig:
+    """Advantage estimator (registry name) and its knobs (keyword arguments of the estimator)."""
+
+    estimator: str = "grpo"
+    knobs: dict = field(default_factory=dict)
+
+
+@dataclass
+class SamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until
+    the batch holds ``schedule.prompts_per_step`` informative groups or ``max_rounds`` is reached."""
+
+    dynamic: bool = False
+    max_rounds: int = 3
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam and the LR schedule (megatron's OptimizerParamScheduler)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up on the dataset's answers before RL (so rewards are not all zero at start).
+    The warmed-up weights are the RL initial policy and the KL reference."""
+
+    sft_steps: int = 0
+    batch_size: int = 64
+    lr: float = 1e-3
+
+
+@dataclass
+class ScheduleConfig:
+    """Loop sizes. Each RL step: ``prompts_per_step`` prompts x ``rollout.n`` samples, then
+    ``ppo_epochs`` passes of ``mini_batches`` optimizer steps, each over ``micro_batches``."""
+
+    steps: int = 100
+    prompts_per_step: int = 16
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batches: int = 1
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    eval_every: int = 0  # 0 = only before and after training
+    eval_samples: int = 64  # held-out prompts per evaluation
+    eval_k: int = 4  # pass@k with k samples at rollout.temperature (1 = greedy pass@1 only)
+    seed: int = 1234
+
+
+@dataclass
+class CheckpointConfig:
+    """Atomic checkpoints under ``run_dir/checkpoints``; ``resume: auto`` continues from the newest."""
+
+    every: int = 10
+    keep_last: int = 2
+    resume: Literal["auto", "never"] = "auto"
+
+
+@dataclass
+class LoggingConfig:
+    """Run directory, metrics.jsonl, optional tensorboard/wandb and the end-of-run plot."""
+
+    run_dir: str = "runs/default"
+    print_every: int = 1
+    tensorboard: bool = False
+    wandb: bool = False
+    plot: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# Lists whose items are sections themselves.
+_LIST_ITEM_TYPES = {("reward", "functions"): RewardFunctionConfig}
+
+
+# ----------------------------------------------------------------------------------------- loading
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for alt in typing.get_args(tp):
+            if alt is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, alt, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}={value!r} must be {_type_name(tp)}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number (YAML reads 1e-3 as a string: write 1.0e-3)")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    if tp in (dict,) or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping")
+        return dict(value)
+    if tp in (list,) or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        return list(value)
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """A dataclass ``cls`` from a mapping, every key and value checked."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]}; allowed in {prefix or 'the top level'}: "
+                          f"{', '.join(names)}")
+    kw = {}
+    for name in names:
+        if name not in data:
+            continue
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        v = data[name]
+        if dataclasses.is_dataclass(tp):
+            kw[name] = _build(tp, v, key)
+        elif (prefix, name) in _LIST_ITEM_TYPES:
+            items = _coerce(v, list, key)
+            kw[name] = [_build(_LIST_ITEM_TYPES[(prefix, name)], it, f"{key}[{i}]") for i, it in enumerate(items)]
+        else:
+            kw[name] = _coerce(v, tp, key)
+    return cls(**kw)
+
+
+def _advantage_from_yaml(d: Any) -> dict:
+    """The core example files write estimator knobs next to ``estimator``; fold them into ``knobs``."""
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"advantage must be a mapping, got {type(d).__name__}")
+    d = dict(d)
+    knobs = dict(d.pop("knobs", None) or {})
+    est = d.pop("estimator", "grpo")
+    knobs.update(d)
+    return {"estimator": est, "knobs": knobs}
+
+
+def from_dict(data: dict) -> TrainConfig:
+    """A validated ``TrainConfig`` from a plain dict (the parsed YAML)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping of sections, got {type(data).__name__}")
+    data = dict(data)
+    if "advantage" in data:
+        data["advantage"] = _advantage_from_yaml(data["advantage"])
+    cfg = _build(TrainConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def _parse_override_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``section.key=value`` strings (values parsed as YAML) to the raw config dict."""
+    data = dict(data or {})
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} must look like section.key=value")
+        key, text = ov.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {ov!r}: empty key part")
+        node = data
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"override {ov!r}: {p} is not a section")
+            node[p] = dict(nxt)
+            node = node[p]
+        node[parts[-1]] = _parse_override_value(text)
+    return data
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
+    """Read the YAML file, apply overrides and validate. Relative data paths stay relative to the cwd."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    return from_dict(apply_overrides(data, overrides or []))
+
+
+# ----------------------------------------------------------------------------------------- checks
+def _positive(key: str, v: float, strict: bool = True) -> None:
+    if (v <= 0) if strict else (v < 0):
+        raise ConfigError(f"{key}={v} must be {'> 0' if strict else '>= 0'}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that need no model: sizes, method names and their knobs."""
+    from megarl.advantages import ADVANTAGE_ESTIMATORS
+
+    s, r = cfg.schedule, cfg.rollout
+    for key, v in (("schedule.steps", s.steps), ("schedule.prompts_per_step", s.prompts_per_step),
+                   ("schedule.ppo_epochs", s.ppo_epochs), ("schedule.mini_batches", s.mini_batches),
+                   ("schedule.micro_batches", s.micro_batches), ("rollout.n", r.n),
+                   ("rollout.max_new_tokens", r.max_new_tokens), ("checkpoint.every", cfg.checkpoint.every),
+                   ("checkpoint.keep_last", cfg.checkpoint.keep_last), ("sampling.max_rounds", cfg.sampling.max_rounds),
+                   ("logging.print_every", cfg.logging.print_every), ("schedule.eval_k", s.eval_k)):
+        _positive(key, v)
+    _positive("warmup.sft_steps", cfg.warmup.sft_steps, strict=False)
+    _positive("reward.timeout_s", cfg.reward.timeout_s)
+    _positive("rollout.temperature", r.temperature, strict=False)
+    if s.mini_batches > s.prompts_per_step:
+        raise ConfigError(f"schedule.mini_batches={s.mini_batches} must be <= schedule.prompts_per_step="
+                          f"{s.prompts_per_step} (mini-batches hold whole groups)")
+    if cfg.advantage.estimator not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"advantage.estimator={cfg.advantage.estimator!r}; allowed: "
+                          f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")
+    fn = ADVANTAGE_ESTIMATORS.get(cfg.advantage.estimator)
+    params = {n: p for n, p in inspect.signature(fn).parameters.items() if n != "batch"}
+    for k, v in cfg.advantage.knobs.items():
+        if k not in params:
+            raise ConfigError(f"unknown key advantage.{k} for estimator {cfg.advantage.estimator!r}; allowed: "
+                              f"estimator{', ' if params else ''}{', '.join(params)}")
+        default = params[k].default
+        if isinstance(default, bool) and not isinstance(v, bool):
+            raise ConfigError(f"advantage.{k}={v!r} must be true or false")
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+                isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"advantage.{k}={v!r} must be a number")
+    try:
+        cfg.objective.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if r.engine != "embedded" and not r.urls:
+        raise ConfigError(f"rollout.engine={r.engine!r} needs rollout.urls (the servers' base URLs)")
+    if not cfg.data.train and not cfg.data.generate:
+        raise ConfigError("data.train is empty: give a jsonl path/glob or data.generate")
+    if not cfg.reward.functions:
+        raise ConfigError("reward.functions is empty: give at least one reward dimension")
+    names = [f.name for f in cfg.reward.functions]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward.functions: names must be unique, got {names}")
+    for i, f in enumerate(cfg.reward.functions):
+        if f.kind == "regex" and not f.pattern:
+            raise ConfigError(f"reward.functions[{i}].pattern is required for kind 'regex'")
+        if f.kind == "python" and (not f.function or ":" not in f.function):
+            raise ConfigError(f"reward.functions[{i}].function must be 'module:function' for kind 'python', "
+                              f"got {f.function!r}")
+    if cfg.model.hf_dir is None and not cfg.model.hf_config:
+        raise ConfigError("model: give model.hf_dir (a HF checkpoint) or model.hf_config (built with random weights)")
+    if cfg.objective.kl_coef and cfg.warmup.sft_steps == 0 and cfg.model.hf_dir is None:
+        pass  # the reference is the random initial model: allowed, if odd
+
+
+def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int) -> None:
+    """Impossible layouts fail here, before any process group exists: TP must divide the heads and
+    the vocabulary, EP the experts, PP the layers, and tp*pp*cp the world size."""
+    p = cfg.parallel
+    for key in ("tp", "pp", "ep", "cp"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.world_size and p.world_size != world_size:
+        raise ConfigError(f"parallel.world_size={p.world_size} but this job has {world_size} process(es)")
+    mp = p.tp * p.pp * p.cp
+    if world_size % mp:
+        raise ConfigError(f"parallel: tp*pp*cp={mp} must divide the world size {world_size}")
+    heads = int(hf_config.get("num_attention_heads", 0))
+    kv = int(hf_config.get("num_key_value_heads") or heads)
+    vocab = int(hf_config.get("vocab_size", 0))
+    layers = int(hf_config.get("num_hidden_layers", 0))
+    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    if heads % p.tp or kv % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide num_attention_heads={heads} and "
+                          f"num_key_value_heads={kv}; allowed tp: {_divisors_of_both(heads, kv)}")
+    if vocab % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide vocab_size={vocab}")
+    if layers % p.pp:
+        raise ConfigError(f"parallel.pp={p.pp} must divide num_hidden_layers={layers}; allowed pp: "
+                          f"{_divisors_of_both(layers, layers)}")
+    if p.ep > 1 and (not experts or experts % p.ep):
+        raise ConfigError(f"parallel.ep={p.ep} must divide num_experts={experts}"
+                          + (f"; allowed ep: {_divisors_of_both(experts, experts)}" if experts else
+                             " (a dense model needs ep=1)"))
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if cfg.schedule.prompts_per_step % max(world_size // mp, 1):
+        raise ConfigError(f"schedule.prompts_per_step={cfg.schedule.prompts_per_step} must be divisible by the "
+                          f"data-parallel size {world_size // mp}")
+
+
+def _divisors_of_both(a: int, b: int) -> str:
+    return ", ".join(str(d) for d in range(1, max(a, 1) + 1) if a % d == 0 and b % d == 0)
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    """The resolved config as plain data (what ``save_resolved`` writes)."""
+    d = dataclasses.asdict(cfg)
+    adv = d.pop("advantage")
+    d["advantage"] = {"estimator": adv["estimator"], **adv["knobs"]}
+    return d
+
+
+def save_resolved(cfg: TrainConfig, run_dir: str | os.PathLike) -> Path:
+    """Write ``run_dir/config.resolved.yaml`` (every default filled in)."""
+    out = Path(run_dir) / "config.resolved.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,533 @@
+"""The synchronous RL loop.
+
+One step::
+
+    prompts (seeded sampler) -> rollouts, n per prompt (engine, current weights)
+      -> rewards (named dimensions, contained user functions)
+      -> [dynamic sampling: drop zero-variance groups, sample more prompts]
+      -> old logprobs (learner, forward only) and ref logprobs (frozen reference learner) as needed
+      -> advantages (whole batch of complete groups)
+      -> ppo_epochs x mini_batches optimizer steps (learner.train_step, micro-batched)
+      -> weight sync to the engine -> metrics -> checkpoint
+
+Rank 0 drives the engine and the rewards; the batch is broadcast to every rank, each data-parallel
+replica trains on its share of the groups. Sampling seeds are derived from (seed, step, prompt), so a
+resumed run draws the same samples as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.batch import PackedBatch, from_sequences
+from megarl.data.dataset import DataError, PromptDataset, PromptRow, PromptSampler, load_jsonl_rows
+from megarl.data.tokenizer import CharTokenizer
+from megarl.objectives.api import GlobalNormalisers
+from megarl.rewards.compute import RewardComputer
+from megarl.trainer import checkpointing
+from megarl.trainer.config import ConfigError, TrainConfig, check_layout, save_resolved
+from megarl.trainer.metrics import MetricsWriter, Progress, read_metrics
+from megarl.trainer.policy import SFTObjective, build_learner, export_state, hf_model_from_config
+
+INIT_POLICY = "init_policy"  # run_dir/init_policy: HF weights after warm-up (the RL start and the KL reference)
+
+
+@dataclass
+class Rollouts:
+    """The samples of one step, on rank 0 (plain lists, picklable for the broadcast)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logprobs: list[list[float]]
+    group_ids: list[int]
+    task_ids: list[int]
+    truncated: list[bool]
+    rewards: list[float]
+    reward_dims: dict[str, list[float]]
+    responses: list[str]
+
+
+def _log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class Trainer:
+    """Builds everything from a ``TrainConfig`` and runs the loop (``run``)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.logging.run_dir)
+        self._stop_signal: Optional[int] = None
+
+    # ------------------------------------------------------------------------------------ setup
+    def _tokenizer_and_hf_config(self) -> tuple[object, dict]:
+        m = self.cfg.model
+        if m.hf_dir is not None:
+            from megarl.learner.model import load_hf_config
+
+            hf = load_hf_config(m.hf_dir)
+        else:
+            hf = dict(m.hf_config)
+        if m.tokenizer == "char":
+            tok = CharTokenizer(m.alphabet)
+            if hf.get("vocab_size", tok.vocab_size) < tok.vocab_size:
+                raise ConfigError(f"model.hf_config.vocab_size={hf['vocab_size']} is smaller than the char "
+                                  f"tokenizer's {tok.vocab_size}")
+            hf.setdefault("vocab_size", tok.vocab_size)
+            hf.update(eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id)
+        else:
+            if m.hf_dir is None:
+                raise ConfigError("model.tokenizer='hf' needs model.hf_dir (a tokenizer.json beside the weights)")
+            from transformers import AutoTokenizer
+
+            tok = _HFTokenizer(AutoTokenizer.from_pretrained(m.hf_dir))
+        return tok, hf
+
+    def _load_data(self, tok) -> tuple[PromptDataset, Optional[PromptDataset]]:
+        d = self.cfg.data
+        if d.generate:
+            from megarl.data.tasks import generate_task_files
+
+            g = dict(d.generate)
+            if not d.train or not d.eval:
+                raise ConfigError("data.generate needs data.train and data.eval (the files it writes)")
+            if not (os.path.exists(d.train) and os.path.exists(d.eval)):
+                try:
+                    generate_task_files(train_path=d.train, eval_path=d.eval, **g)
+                except (TypeError, ValueError) as e:
+                    raise ConfigError(f"data.generate: {e}; allowed keys: task, num_train, num_eval, digits, seed") \
+                        from None
+        check = lambda text: tok.encode(text)  # noqa: E731 - raises ValueError on an unknown character
+
+        def load(path: str) -> PromptDataset:
+            rows, bad = load_jsonl_rows(path, d.prompt_field, d.answer_field, d.task_field, d.prompt_template,
+                                        check, d.on_bad_row, d.max_bad_rows)
+            for b in bad[:5]:
+                _log(f"megarl train: skipped bad row {b}")
+            if bad:
+                _log(f"megarl train: skipped {len(bad)} bad row(s) in {path}")
+            return PromptDataset(rows, bad)
+
+        return load(d.train), (load(d.eval) if d.eval else None)
+
+    def _install_signal_handlers(self) -> None:
+        def handler(signum, frame):
+            self._stop_signal = signum
+            _log(f"megarl train: got signal {signum}; checkpointing after this step, then exiting")
+
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                signal.signal(s, handler)
+            except ValueError:  # not the main thread (tests)
+                pass
+
+    # ------------------------------------------------------------------------------------ run
+    def run(self) -> int:
+        cfg = self.cfg
+        from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel
+
+        tok, hf = self._tokenizer_and_hf_config()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_layout(cfg, hf, world)
+        train_ds, eval_ds = self._load_data(tok)
+        self.tok, self.hf = tok, hf
+        self.train_ds, self.eval_ds = train_ds, eval_ds
+        init_distributed()
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_resolved(cfg, self.run_dir)
+        p = cfg.parallel
+        groups = initialize_parallel(ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp,
+                                                    sequence_parallel=p.sequence_parallel, expert_tp=p.expert_tp),
+                                     seed=cfg.model.seed)
+        self.groups = groups
+        self._install_signal_handlers()
+        self.rewards = RewardComputer(cfg.reward) if rank0 else None
+        self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard) if rank0 else None
+        self.sampler = PromptSampler(len(train_ds), cfg.schedule.seed)
+        self.failures_total = {"errors": 0, "timeouts": 0}
+
+        ckpt = checkpointing.latest_checkpoint(self.run_dir) if cfg.checkpoint.resume == "auto" else None
+        init_dir = self.run_dir / INIT_POLICY
+        if ckpt is None and not init_dir.is_dir():
+            self._warmup(init_dir)
+        dist.barrier()
+        self.learner = build_learner(cfg, hf, groups)
+        self.learner.load_hf(str(init_dir))
+        self.ref = None
+        if cfg.objective.kl_coef:
+            self.ref = build_learner(cfg, hf, groups)
+            self.ref.load_hf(str(init_dir))
+        start = 0
+        if ckpt is not None:
+            state = checkpointing.load(ckpt, self.learner)
+            start = int(state["step"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.failures_total = state.get("reward_failures", self.failures_total)
+            if rank0:
+                self.metrics.truncate_after(start)
+            _log(f"megarl train: resumed from {ckpt} (step {start})")
+        elif rank0 and self.metrics.path.exists():
+            self.metrics.truncate_after(0)
+        self.engine = self._make_engine() if rank0 else None
+        self.loop = asyncio.new_event_loop()
+        self._sync_weights(version=start)
+        if start == 0 and rank0 and not any(r.get("step") == 0 for r in read_metrics(self.run_dir)):
+            rec = {"step": 0, **self._evaluate()}
+            self.metrics.write(rec)
+            _log(f"step    0/{cfg.schedule.steps} (initial policy){_eval_text(rec)}")
+        progress = Progress(cfg.schedule.steps, start)
+        code = 0
+        for step in range(start + 1, cfg.schedule.steps + 1):
+            rec = self._step(step)
+            last = step == cfg.schedule.steps
+            if rank0 and (last or (cfg.schedule.eval_every and step % cfg.schedule.eval_every == 0)):
+                rec.update(self._evaluate())
+            if rank0:
+                self.metrics.write(rec)
+                if step % cfg.logging.print_every == 0 or last:
+                    _log(progress.line(step, rec) + _eval_text(rec))
+            stop = self._stop_signal is not None
+            if last or step % cfg.checkpoint.every == 0 or stop:
+                self._checkpoint(step)
+            if stop:
+                code = 128 + int(self._stop_signal)
+                break
+        self._finish()
+        return code
+
+    # ------------------------------------------------------------------------------------ pieces
+    def _make_engine(self):
+        r = self.cfg.rollout
+        if r.engine == "embedded":
+            from megarl.rollout.embedded import EmbeddedEngine
+
+            return EmbeddedEngine(hf_model_from_config(self.hf), eos_token_ids=[self.tok.eos_id],
+                                  max_concurrency=r.max_concurrency, weight_version="init")
+        from megarl.rollout import make_engine
+
+        return make_engine(r.urls, kind=r.engine)
+
+    def _sync_weights(self, version: int) -> None:
+        """Weights of the learner -> the engine (collective: every rank takes part in the export)."""
+        r = self.cfg.rollout
+        if r.engine == "embedded":
+            state = export_state(self.learner)
+            if self.engine is not None:
+                self.loop.run_until_complete(self.engine.update_weights_from_tensors(state, str(version)))
+            return
+        from megarl.convert.hf_megatron import save_hf_checkpoint
+
+        wdir = Path(r.weights_dir or self.run_dir / "weights") / f"v{version:06d}"
+        if dist.get_rank() == 0 and wdir.exists():
+            import shutil
+
+            shutil.rmtree(wdir)
+        dist.barrier()
+        save_hf_checkpoint(self.learner.model, self.groups, wdir, hf_config=self.hf)
+        if self.engine is not None:
+            self.loop.run_until_complete(self.engine.update_weights(str(wdir), str(version)))
+
+    def _warmup(self, init_dir: Path) -> None:
+        """Supervised warm-up on the training answers; writes the initial policy (HF safetensors)."""
+        from megarl.convert.hf_megatron import save_hf_checkpoint
+
+        cfg, w = self.cfg, self.cfg.warmup
+        ln = build_learner(cfg, self.hf, self.groups, lr=w.lr)
+        if cfg.model.hf_dir is not None:
+            ln.load_hf(cfg.model.hf_dir)
+        sampler = PromptSampler(len(self.train_ds), cfg.schedule.seed + 7)
+        obj = SFTObjective()
+        t0 = time.time()
+        for s in range(1, w.sft_steps + 1):
+            rows = [self.train_ds.rows[i] for i in sampler.next_indices(w.batch_size)]
+            batch = self._sft_batch(rows)
+            m = ln.train_step(self._dp_share(batch), obj, 1, GlobalNormalisers.from_batch(
+                self._dp_share(batch), self._dp_group()))
+            if s % 10 == 0 or s == w.sft_steps:
+                _log(f"warm-up {s:>3}/{w.sft_steps}  nll {m['nll']:.3f}  ({time.time() - t0:.1f}s)")
+        tmp = init_dir.with_name(init_dir.name + ".tmp-megarl")
+        if dist.get_rank() == 0 and tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        dist.barrier()
+        save_hf_checkpoint(ln.model, self.groups, init_dir, hf_config=self.hf)
+        del ln
+
+    def _sft_batch(self, rows: list[PromptRow]) -> PackedBatch:
+        P = [self.tok.encode(r.prompt) for r in rows]
+        R = [self.tok.encode(r.answer, bos=False) + [self.tok.eos_id] for r in rows]
+        return from_sequences(P, R, list(range(len(rows))))
+
+    def _dp_group(self):
+        return self.groups.dp if self.groups.dp_size > 1 else None
+
+    def _dp_share(self, batch: PackedBatch) -> PackedBatch:
+        """This data-parallel replica's contiguous share of whole groups."""
+        dp = self.groups.dp_size
+        if dp == 1:
+            return batch
+        gids = torch.unique(batch.group_ids).tolist()
+        per = len(gids) // dp
+        mine = set(gids[self.groups.dp_rank * per:(self.groups.dp_rank + 1) * per])
+        return batch.select([i for i, g in enumerate(batch.group_ids.tolist()) if g in mine])
+
+    def _sampling_params(self, step: int, rnd: int, i: int, greedy: bool = False):
+        from megarl.rollout.types import SamplingParams
+
+        r = self.cfg.rollout
+        seed = (self.cfg.schedule.seed * 1_000_003 + step * 10_007 + rnd * 101 + i) % (2 ** 31)
+        return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tok.eos_id,), seed=seed)
+
+    def _generate(self, rows: list[PromptRow], n: int, step: int, rnd: int, greedy: bool = False):
+        prompts = [self.tok.encode(r.prompt) for r in rows]
+
+        async def go():
+            return await asyncio.gather(*[
+                self.engine.generate(p, n=n, sampling=self._sampling_params(step, rnd, i, greedy))
+                for i, p in enumerate(prompts)])
+
+        return prompts, self.loop.run_until_complete(go())
+
+    def _rollout(self, step: int) -> tuple[Rollouts, dict]:
+        """Rank 0: sample prompts, generate, score; dynamic sampling when enabled."""
+        cfg = self.cfg
+        n, want = cfg.rollout.n, cfg.schedule.prompts_per_step
+        out = Rollouts([], [], [], [], [], [], [], {k: [] for k in self.rewards.names}, [])
+        stats = {"gen_tokens": 0, "gen_time": 0.0, "reward_time": 0.0, "groups_seen": 0, "groups_zero_var": 0,
+                 "rounds": 0, "errors": 0, "timeouts": 0}
+        rnd = 0
+        while True:
+            need = want - len(set(out.group_ids))
+            rows = [self.train_ds.rows[i] for i in self.sampler.next_indices(need)]
+            t0 = time.time()
+            prompts, results = self._generate(rows, n, step, rnd)
+            stats["gen_time"] += time.time() - t0
+            t0 = time.time()
+            answers, resp_ids, resp_lp, trunc, texts = [], [], [], [], []
+            for row, res in zip(rows, results):
+                for s in res.samples:
+                    resp_ids.append(list(s.token_ids))
+                    resp_lp.append(list(s.logprobs))
+                    trunc.append(s.finish_reason == "length")
+                    texts.append(self.tok.decode(s.token_ids))
+                    answers.append(row.answer)
+                    stats["gen_tokens"] += len(s.token_ids)
+            rr = self.rewards(texts, answers)
+            stats["reward_time"] += time.time() - t0
+            stats["errors"] += rr.errors
+            stats["timeouts"] += rr.timeouts
+            for f in rr.failures[:2]:
+                _log(f"megarl train: reward failure contained ({f}); fallback {cfg.reward.fallback}")
+            for gi, (row, p) in enumerate(zip(rows, prompts)):
+                sl = slice(gi * n, (gi + 1) * n)
+                vals = rr.scalar[sl]
+                stats["groups_seen"] += 1
+                zero_var = bool((vals == vals[0]).all())
+                stats["groups_zero_var"] += int(zero_var)
+                if cfg.sampling.dynamic and zero_var:
+                    continue
+                gid = len(set(out.group_ids))
+                out.prompt_ids += [p] * n
+                out.response_ids += resp_ids[sl]
+                out.rollout_logprobs += resp_lp[sl]
+                out.group_ids += [gid] * n
+                out.task_ids += [self.train_ds.task_id[row.task]] * n
+                out.truncated += trunc[sl]
+                out.rewards += vals.tolist()
+                out.responses += texts[sl]
+                for k in out.reward_dims:
+                    out.reward_dims[k] += rr.dims[k][sl].tolist()
+            rnd += 1
+            stats["rounds"] = rnd
+            if not cfg.sampling.dynamic or len(set(out.group_ids)) >= want or rnd >= cfg.sampling.max_rounds:
+                break
+        return out, stats
+
+    def _batch(self, ro: Rollouts, step: int) -> PackedBatch:
+        lp = []
+        for p, r_lp in zip(ro.prompt_ids, ro.rollout_logprobs):
+            lp += [0.0] * len(p) + [min(x, 0.0) for x in r_lp]
+        B = len(ro.group_ids)
+        return from_sequences(ro.prompt_ids, ro.response_ids, ro.group_ids,
+                              rewards=torch.tensor(ro.rewards, dtype=torch.float32),
+                              task_ids=torch.tensor(ro.task_ids, dtype=torch.long),
+                              policy_versions=torch.full((B,), step - 1, dtype=torch.long),
+                              truncated=torch.tensor(ro.truncated, dtype=torch.bool),
+                              rollout_logprobs=torch.tensor(lp, dtype=torch.float32))
+
+    def _step(self, step: int) -> dict:
+        from megarl.advantages import compute_advantages
+        from megarl.objectives.rl_objective import build_objective
+
+        cfg = self.cfg
+        rank0 = dist.get_rank() == 0
+        t_step = time.time()
+        payload = [None]
+        if rank0:
+            ro, rstats = self._rollout(step)
+            payload = [(ro, rstats)]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        ro, rstats = payload[0]
+        rec: dict = {"step": step}
+        if not ro.group_ids:
+            _log(f"step {step}: every group had equal rewards (dynamic sampling); no update this step")
+            rec.update(self._rollout_metrics(ro, rstats))
+            self._sync_weights(version=step)
+            return rec
+        batch = self._batch(ro, step)
+        t0 = time.time()
+        if cfg.schedule.old_logprobs == "recompute":
+            batch.old_logprobs, _ = self.learner.compute_logprobs(batch, cfg.schedule.micro_batches)
+        if self.ref is not None:
+            batch.ref_logprobs, _ = self.ref.compute_logprobs(batch, cfg.schedule.micro_batches)
+        t_logprob = time.time() - t0
+        compute_advantages(batch, cfg.advantage.estimator, **cfg.advantage.knobs)
+        objective = build_objective(cfg.objective)
+        t0 = time.time()
+        train_metrics: list[dict] = []
+        gids = torch.unique(batch.group_ids).tolist()
+        for _epoch in range(cfg.schedule.ppo_epochs):
+            nmb = min(cfg.schedule.mini_batches, len(gids))
+            bounds = torch.linspace(0, len(gids), nmb + 1).round().long().tolist()
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                keep = set(gids[a:b])
+                mb = batch.select([i for i, g in enumerate(batch.group_ids.tolist()) if g in keep])
+                local = self._dp_share(mb)
+                norms = GlobalNormalisers.from_batch(local, self._dp_group())
+                micro = max(1, min(cfg.schedule.micro_batches, local.num_seqs))
+                train_metrics.append(self.learner.train_step(local, objective, micro, norms))
+        t_train = time.time() - t0
+        t0 = time.time()
+        self._sync_weights(version=step)
+        t_sync = time.time() - t0
+        last = train_metrics[-1]
+        for k in last:
+            rec[f"train/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)
+        rec["train/optimizer_steps"] = len(train_metrics)
+        rec.update(self._rollout_metrics(ro, rstats))
+        adv = batch.advantages[batch.loss_mask.bool()]
+        rec.update({"adv/mean": float(adv.mean()), "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+                    "adv/abs_max": float(adv.abs().max())})
+        if batch.old_logprobs is not None:
+            m = batch.loss_mask.bool()
+            # the same weights on both sides: a check of the weight sync and of the two forwards
+            rec["rollout/logprob_gap_old"] = float((batch.old_logprobs[m] - batch.rollout_logprobs[m]).abs().mean())
+        if batch.ref_logprobs is not None and batch.old_logprobs is not None:
+            m = batch.loss_mask.bool()
+            rec["rollout/kl_old_ref"] = float((batch.old_logprobs[m] - batch.ref_logprobs[m]).mean())
+        train_tokens = batch.num_tokens * cfg.schedule.ppo_epochs
+        rec.update({"time/rollout": rstats["gen_time"], "time/reward": rstats["reward_time"],
+                    "time/logprob": t_logprob, "time/train": t_train, "time/sync": t_sync,
+                    "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+                    "time/step": time.time() - t_step})
+        return rec
+
+    def _rollout_metrics(self, ro: Rollouts, rs: dict) -> dict:
+        self.failures_total["errors"] += rs["errors"]
+        self.failures_total["timeouts"] += rs["timeouts"]
+        rec: dict = {}
+        if ro.rewards:
+            r = torch.tensor(ro.rewards)
+            rec.update({"reward/mean": float(r.mean()), "reward/std": float(r.std()) if r.numel() > 1 else 0.0})
+            for k, v in ro.reward_dims.items():
+                t = torch.tensor(v)
+                rec[f"reward/{k}/mean"] = float(t.mean())
+                rec[f"reward/{k}/std"] = float(t.std()) if t.numel() > 1 else 0.0
+            lens = torch.tensor([len(x) for x in ro.response_ids], dtype=torch.float32)
+            rec.update({"rollout/response_len": float(lens.mean()), "rollout/response_len_max": float(lens.max()),
+                        "rollout/truncated_frac": float(torch.tensor(ro.truncated, dtype=torch.float32).mean()),
+                        "rollout/samples": len(ro.rewards)})
+            rec["rollout/example"] = ro.responses[0]
+        rec.update({"rollout/zero_var_group_frac": rs["groups_zero_var"] / max(rs["groups_seen"], 1),
+                    "rollout/groups_seen": rs["groups_seen"], "rollout/sampling_rounds": rs["rounds"],
+                    "perf/rollout_tokens_per_s": rs["gen_tokens"] / max(rs["gen_time"], 1e-9),
+                    "reward/fn_errors": rs["errors"], "reward/fn_timeouts": rs["timeouts"],
+                    "reward/fn_errors_total": self.failures_total["errors"],
+                    "reward/fn_timeouts_total": self.failures_total["timeouts"]})
+        return rec
+
+    def _evaluate(self) -> dict:
+        """Held-out pass@1 (greedy) and pass@k (k samples at the rollout temperature); rank 0 only."""
+        if self.eval_ds is None:
+            return {}
+        s = self.cfg.schedule
+        rows = self.eval_ds.rows[:s.eval_samples]
+        t0 = time.time()
+        _, greedy = self._generate(rows, 1, step=-1, rnd=0, greedy=True)
+        texts = [self.tok.decode(g.samples[0].token_ids) for g in greedy]
+        r1 = self.rewards(texts, [r.answer for r in rows]).scalar
+        best = float(max(f.weight for f in self.cfg.reward.functions if f.weight > 0)) if any(
+            f.weight > 0 for f in self.cfg.reward.functions) else 1.0
+        out = {"eval/pass@1": float((r1 >= best).float().mean()), "eval/reward_greedy": float(r1.mean())}
+        if s.eval_k > 1:
+            _, samp = self._generate(rows, s.eval_k, step=-2, rnd=0)
+            texts = [self.tok.decode(x.token_ids) for g in samp for x in g.samples]
+            answers = [r.answer for r in rows for _ in range(s.eval_k)]
+            rk = self.rewards(texts, answers).scalar.view(len(rows), s.eval_k)
+            out[f"eval/pass@{s.eval_k}"] = float((rk >= best).any(1).float().mean())
+            out["eval/sampled_acc"] = float((rk >= best).float().mean())
+        out["time/eval"] = time.time() - t0
+        return out
+
+    def _checkpoint(self, step: int) -> None:
+        t0 = time.time()
+        state = {"sampler": self.sampler.state_dict(), "reward_failures": self.failures_total,
+                 "policy_version": step}
+        path = checkpointing.save(self.run_dir, step, self.learner, state, self.cfg.checkpoint.keep_last)
+        _log(f"checkpoint {path} ({time.time() - t0:.1f}s)")
+
+    def _finish(self) -> None:
+        if dist.get_rank() == 0:
+            self.rewards.close()
+            if self.cfg.logging.plot:
+                from megarl.trainer.plot import plot_run
+
+                png = plot_run(self.run_dir)
+                if png is not None:
+                    _log(f"reward curve: {png}")
+            recs = read_metrics(self.run_dir)
+            first = next((r for r in recs if "eval/pass@1" in r), None)
+            last = next((r for r in reversed(recs) if "eval/pass@1" in r), None)
+            if first is not None and last is not None:
+                _log(f"held-out pass@1: {first['eval/pass@1']:.3f} (step {first['step']}) -> "
+                     f"{last['eval/pass@1']:.3f} (step {last['step']}); metrics: {self.run_dir / 'metrics.jsonl'}")
+        self.loop.close()
+
+
+def _eval_text(rec: dict) -> str:
+    parts = [f"{k[5:]} {v:.3f}" for k, v in rec.items()
+             if k.startswith("eval/") and k != "eval/reward_greedy" and isinstance(v, float)]
+    return ("  | held-out " + "  ".join(parts)) if parts else ""
+
+
+class _HFTokenizer:
+    """A transformers tokenizer behind the CharTokenizer interface (encode/decode/eos_id)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_id = tok.eos_token_id
+        self.pad_id = tok.pad_token_id
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=bos)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.eos_id in ids:
+            ids = ids[:ids.index(self.eos_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
