@@ -205,7 +205,10 @@ class Learner:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         g = self.groups
-        norms = normalisers or GlobalNormalisers.from_batch(batch, g.dp if g.dp_size > 1 else None)
+        dp_group = g.dp if g.dp_size > 1 else None
+        if hasattr(objective, "prepare"):  # global-batch statistics of stateful parts (RLObjective)
+            batch = objective.prepare(batch, dp_group)
+        norms = normalisers or GlobalNormalisers.from_batch(batch, dp_group)
         tp_group = g.tp if g.layout.tp > 1 else None
         ctx = LossContext(normalisers=norms, tp_group=tp_group, chunk_tokens=self.cfg.chunk_tokens,
                           step=self.step)

@@ -312,10 +312,54 @@ def case_export(args, moe: bool, layout_name: str) -> dict:
             "ok": ok_sizes and len(sizes) > 1 and n_files == len(sizes) and diff <= PARITY_TOL}
 
 
+def case_objective(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
+    """The composed megarl objective inside the Megatron step (sharded logits, micro-batches, DP)
+    reports the same loss as reference/loss.py:rl_loss on the gathered full-vocabulary logits."""
+    from megarl.batch import unpack
+    from megarl.objectives.rl_objective import ObjectiveConfig, RLObjective
+    from reference.loss import rl_loss
+
+    _, d = make_hf_model(moe, args.workdir)
+    ln = learner_for(LAYOUTS[layout_name], d)
+    batch = make_batch(31, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    lp, _ = ln.compute_logprobs(batch)
+    g = torch.Generator().manual_seed(7)
+    m = batch.loss_mask
+    batch.old_logprobs = torch.clamp(lp + 0.3 * torch.randn(lp.shape, generator=g), max=0.0) * m
+    batch.ref_logprobs = torch.clamp(lp + 0.2 * torch.randn(lp.shape, generator=g), max=0.0) * m
+    cfg = dict(policy_loss="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    # gathered full logits of the current weights, aligned, on the last stage
+    logits = last_stage_logits(ln, batch)
+    ref_loss = 0.0
+    if logits is not None:
+        tp = ln.groups.layout.tp
+        if tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=ln.groups.tp)
+            logits = torch.cat(parts, -1)
+        from megarl.learner.forward import align_logits
+
+        full = align_logits(logits, batch.cu_seqlens)  # [T, V]
+        padded = unpack(batch)
+        am = padded.attention_mask
+        lg = torch.zeros(*am.shape, full.shape[-1])
+        lg[am] = full
+        pt = padded.per_token
+        ref_loss = float(rl_loss(lg.double(), padded.tokens, padded.loss_mask.double(), pt["advantages"].double(),
+                                 pt["old_logprobs"].double(), ref_logp=pt["ref_logprobs"].double(),
+                                 clip_low=cfg["clip_low"], clip_high=cfg["clip_high"], kl_coef=cfg["kl_coef"],
+                                 kl_estimator="k3", entropy_coef=cfg["entropy_coef"]))
+    ref_loss = float(ln._from_last_stage(torch.tensor([ref_loss], dtype=torch.float64)))
+    metrics = ln.train_step(dp_shard(batch, ln), RLObjective(ObjectiveConfig(**cfg)), num_micro_batches=num_micro)
+    diff = abs(metrics["loss"] - ref_loss)
+    return {"megatron_loss": metrics["loss"], "reference_loss": ref_loss, "diff": diff,
+            "metrics": sorted(metrics), "ok": diff <= 1e-5 and "clip_frac" in metrics and "kl" in metrics}
+
+
 CASES = {
     "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
     "invariance": case_invariance, "checkpoint": case_checkpoint,
-    "export": case_export,
+    "export": case_export, "objective": case_objective,
 }
 
 
