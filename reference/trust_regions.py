@@ -33,3 +33,46 @@ def output_reset(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     e = torch.clamp(margin - s * (logp - old_logp), min=0.0)
     w = torch.where(adv != 0, adv.abs() ** adv_power, torch.zeros_like(adv))
     return 0.5 * w * e ** 2
+
+
+# --------------------------------------------------------------------------- CoKL
+def cokl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
+         response_start: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, correct: torch.Tensor,
+         temperature: float = 1.0, length_normalise: bool = False, dedup: bool = True) -> torch.Tensor:
+    """CoKL: forward KL between the correctness-conditioned reference and policy, finite-group form.
+
+    Population [ABSTRACT]: π(y|x,C) = π(y|x)·1[y∈C] / π(C|x);
+        R = KL(π_ref(·|x,C) ‖ π_θ(·|x,C)); the log π_θ(C) term cancels any uniform rescaling of the
+        correct mass, so only how probability is spread over correct solutions is anchored.
+    Finite group [RECON, spec methods-b §19 option A, support-restricted]:
+        S_g = correct responses of group g with at least one loss token, duplicates (same response
+              tokens) kept once; groups with |S_g| < 2 contribute 0
+        z_i = s_i / τ,   s_i = Σ_t m·logp  (÷ n_i when length_normalise)
+        q_θ = softmax_{S_g}(z^θ),  q_ref = softmax_{S_g}(z^ref)
+        L_g = Σ_{i∈S_g} q_ref(i) [log q_ref(i) − log q_θ(i)]
+        L   = mean of L_g over the groups with |S_g| ≥ 2 (0 when there are none)
+    ∂L_g/∂s_i = (q_θ(i) − q_ref(i))/τ: zero for incorrect samples and summing to zero over S_g.
+    logp, ref_logp, mask, tokens: [B, L]; response_start, lengths, group_ids: [B]; correct: [B] bool.
+    Returns a scalar (a group-level term: it is not aggregated per token).
+    """
+    m = mask.to(logp.dtype)
+    n = m.sum(-1)
+    s, s_ref = (logp * m).sum(-1), (ref_logp * m).sum(-1)
+    if length_normalise:
+        s, s_ref = s / n.clamp(min=1), s_ref / n.clamp(min=1)
+    total, active = logp.new_zeros(()), 0
+    for g in torch.unique(group_ids).tolist():
+        members, seen = [], set()
+        for i in (group_ids == g).nonzero().flatten().tolist():
+            key = tuple(tokens[i, int(response_start[i]):int(lengths[i])].tolist())
+            if bool(correct[i]) and n[i] > 0 and not (dedup and key in seen):
+                members.append(i)
+                seen.add(key)
+        if len(members) < 2:
+            continue
+        idx = torch.tensor(members)
+        log_q = torch.log_softmax(s[idx] / temperature, 0)
+        log_q_ref = torch.log_softmax(s_ref[idx] / temperature, 0)
+        total = total + (log_q_ref.exp() * (log_q_ref - log_q)).sum()
+        active += 1
+    return total / max(active, 1)
