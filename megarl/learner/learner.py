@@ -59,6 +59,7 @@ class LearnerConfig:
     params_dtype: torch.dtype = torch.float32
     chunk_tokens: int = 4096  # token chunk of the vocab-parallel ops
     moe_aux_loss_coeff: Optional[float] = None  # None = from the HF config (router_aux_loss_coef)
+    moe_routing_replay: bool = False  # R3: train_step replays batch.routed_experts (see record_routes)
     seed: int = 1234
 
 
@@ -75,7 +76,8 @@ class Learner:
         torch.manual_seed(cfg.seed)
         model = build_gpt_model(self.hf_config, groups, params_dtype=cfg.params_dtype,
                                 moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                                perform_initialization=perform_initialization)
+                                perform_initialization=perform_initialization,
+                                routing_replay=cfg.moe_routing_replay)
         self.spec = model.megarl_spec
         self.config = model.config
         self.config.calculate_per_token_loss = True
@@ -132,21 +134,37 @@ class Learner:
 
         finalize_model_grads(model_chunks, num_tokens=None)  # never rescale: losses are global already
 
-    def _run_schedule(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool) -> list:
+    def _run_schedule(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool,
+                      routing: Optional[str] = None, recorded: Optional[list] = None) -> list:
+        """Micro-batches through megatron's schedule. ``routing``: None, 'record' (append each
+        micro-batch's local routes to ``recorded``) or 'replay' (use ``mb.routed_experts``)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megarl.learner import routing_replay as rr
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = run_model(model, packed_inputs(mb.tokens, mb.cu_seqlens, self.groups.device,
-                                                 self._pad_multiple()))
+            inputs = packed_inputs(mb.tokens, mb.cu_seqlens, self.groups.device, self._pad_multiple())
+            if routing == "replay":
+                rr.set_replay_targets(self.model, mb.routed_experts, inputs.input_ids.shape[1], self.groups)
+            out = run_model(model, inputs)
+            if routing == "record":
+                recorded.append(rr.collect_local(self.model))
             return out, partial(loss_func, mb)
+
+        if routing is not None:
+            rr.set_action(self.model, routing)
 
         fb = get_forward_backward_func()
         max_len = max(mb.num_tokens for mb in micro_batches)
         max_len = -(-max_len // self._pad_multiple()) * self._pad_multiple()
-        return fb(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
-                  num_microbatches=len(micro_batches), seq_length=max_len, micro_batch_size=1,
-                  forward_only=forward_only)
+        try:
+            return fb(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
+                      num_microbatches=len(micro_batches), seq_length=max_len, micro_batch_size=1,
+                      forward_only=forward_only)
+        finally:
+            if routing is not None:
+                rr.set_action(self.model, None)
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast a tensor of known shape from the last pipeline stage to every stage."""
@@ -193,6 +211,29 @@ class Learner:
         self.ddp.train()
         return lp.cpu(), (ent.cpu() if with_entropy else None)
 
+    @torch.no_grad()
+    def record_routes(self, batch: PackedBatch, num_micro_batches: int = 1) -> torch.Tensor:
+        """R3 recording: the experts every token is routed to under the current weights,
+        ``[T, n_moe_layers, topk]`` int64 on every rank (store it as ``batch.routed_experts``).
+        Use it when the rollout engine did not return routes (else take the engine's)."""
+        from megarl.learner import routing_replay as rr
+
+        if not self.spec.is_moe:
+            raise rr.RoutingReplayError("record_routes: the model has no MoE layer")
+        micro = batch.split(num_micro_batches)
+        recorded: list = []
+
+        def loss_func(mb, logits):
+            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+        self.ddp.eval()
+        try:
+            self._run_schedule(micro, loss_func, forward_only=True, routing="record", recorded=recorded)
+        finally:
+            self.ddp.train()
+        return rr.assemble(recorded, [mb.num_tokens for mb in micro], len(self.spec.moe_layers),
+                           self.spec.moe_topk, self.groups)
+
     # ------------------------------------------------------------------------- training
     def train_step(self, batch: PackedBatch, objective: Objective, num_micro_batches: int = 1,
                    normalisers: Optional[GlobalNormalisers] = None) -> dict[str, float]:
@@ -225,10 +266,20 @@ class Learner:
                 reported[k] = torch.as_tensor(v).detach().reshape(()).float()
             return res.loss / s, torch.tensor(1, dtype=torch.int), reported
 
+        routing = None
+        if self.cfg.moe_routing_replay:
+            if batch.routed_experts is None:
+                raise ValueError("moe_routing_replay is on but the batch has no 'routed_experts' "
+                                 "(record them with Learner.record_routes or take them from the engine)")
+            want = (len(self.spec.moe_layers), self.spec.moe_topk)
+            if tuple(batch.routed_experts.shape[1:]) != want:
+                raise ValueError(f"batch field 'routed_experts' has shape {tuple(batch.routed_experts.shape)}, "
+                                 f"expected [T, {want[0]}, {want[1]}]")
+            routing = "replay"
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run_schedule(micro, loss_func, forward_only=False)
+        out = self._run_schedule(micro, loss_func, forward_only=False, routing=routing)
         # metrics: sum over micro-batches, then DP; then send from the last stage to all stages.
         if g.is_last_stage:
             metric_names = sorted(out[0].keys())

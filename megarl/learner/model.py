@@ -116,7 +116,7 @@ def transformer_config_from_spec(spec: ModelSpec, groups: ParallelGroups, *,
                                  params_dtype: torch.dtype = torch.float32,
                                  moe_aux_loss_coeff: Optional[float] = None,
                                  perform_initialization: bool = True,
-                                 init_method_std: float = 0.02):
+                                 init_method_std: float = 0.02, routing_replay: bool = False):
     """megatron-core ``TransformerConfig`` for ``spec`` under ``groups.layout``.
 
     fp32 on CPU; bf16 only when asked on CUDA. Dropout 0 (RL post-training default).
@@ -166,7 +166,7 @@ def transformer_config_from_spec(spec: ModelSpec, groups: ParallelGroups, *,
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=spec.moe_aux_loss_coeff if moe_aux_loss_coeff is None else moe_aux_loss_coeff,
             moe_grouped_gemm=on_gpu, moe_permute_fusion=False,
-            moe_router_dtype="fp32",
+            moe_router_dtype="fp32", moe_enable_routing_replay=routing_replay,
         )
     return TransformerConfig(**kw)
 
@@ -204,7 +204,7 @@ def uses_te_spec() -> bool:
 
 def build_gpt_model(hf_config: dict | str | os.PathLike, groups: ParallelGroups, *,
                     params_dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: Optional[float] = None,
-                    perform_initialization: bool = True):
+                    perform_initialization: bool = True, routing_replay: bool = False):
     """Build this rank's pipeline stage of the model (a ``GPTModel``) under ``groups``.
 
     Logits come out vocab-parallel (``parallel_output=True``): ``[B, S, V/tp]``.
@@ -215,7 +215,8 @@ def build_gpt_model(hf_config: dict | str | os.PathLike, groups: ParallelGroups,
     spec = model_spec_from_hf(load_hf_config(hf_config))
     config = transformer_config_from_spec(spec, groups, params_dtype=params_dtype,
                                           moe_aux_loss_coeff=moe_aux_loss_coeff,
-                                          perform_initialization=perform_initialization)
+                                          perform_initialization=perform_initialization,
+                                          routing_replay=routing_replay)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(config, spec), vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings, pre_process=groups.is_first_stage,

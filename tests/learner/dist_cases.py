@@ -356,10 +356,59 @@ def case_objective(args, moe: bool, layout_name: str, num_micro: int = 2) -> dic
             "metrics": sorted(metrics), "ok": diff <= 1e-5 and "clip_frac" in metrics and "kl" in metrics}
 
 
+def case_replay(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
+    """R3: routes recorded, weights changed so fresh routing differs, then the training forward with
+    replay on uses exactly the recorded experts (checked on the routers' own routing maps)."""
+    _, d = make_hf_model(True, args.workdir)
+    groups = initialize_parallel(LAYOUTS[layout_name])
+    ln = Learner(LearnerConfig(hf_config=d, optim=OptimConfig(lr=3e-2, clip_grad=0.0), moe_aux_loss_coeff=0.0,
+                               moe_routing_replay=True), groups)
+    ln.load_hf(d)
+    batch = make_batch(41, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    routes = ln.record_routes(batch, num_micro_batches=num_micro)
+    # change the weights a lot, then see that fresh routing moved
+    batch.routed_experts = routes
+    ln.train_step(dp_shard(batch, ln), PolicyGradientObjective(), num_micro_batches=1)
+    fresh = ln.record_routes(batch, num_micro_batches=num_micro)
+    changed = int((fresh.sort(-1).values != routes.sort(-1).values).any(-1).sum())
+    # capture what the routers actually chose during the replayed training forward
+    seen: dict[int, list] = {}
+    hooks = []
+    from megarl.learner.routing_replay import local_token_slice
+
+    for layer in ln.model.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is None:
+            continue
+        moe_idx = ln.spec.moe_layers.index(layer.layer_number - 1)
+        hooks.append(router.register_forward_hook(
+            lambda mod, inp, out, i=moe_idx: seen.setdefault(i, []).append(out[1].detach().clone())))
+    shard = dp_shard(batch, ln)
+    ln.train_step(shard, PolicyGradientObjective(), num_micro_batches=num_micro)
+    for h in hooks:
+        h.remove()
+    mismatches = 0
+    for moe_idx, maps in seen.items():
+        for mb, rmap in zip(shard.split(num_micro), maps):
+            T = mb.num_tokens
+            pad_T = -(-T // ln._pad_multiple()) * ln._pad_multiple()
+            sl = local_token_slice(pad_T, ln.groups)
+            want = torch.zeros(pad_T, ln.spec.num_experts, dtype=torch.bool)
+            want[torch.arange(T).unsqueeze(1), mb.routed_experts[:, moe_idx, :]] = True
+            got = rmap.reshape(-1, ln.spec.num_experts).cpu()
+            real = torch.arange(pad_T)[sl] < T
+            mismatches += int((got[real] != want[sl][real]).any(-1).sum())
+    mismatches = int(max_over_world(mismatches))
+    changed = int(max_over_world(changed))
+    return {"tokens_with_changed_fresh_routing": changed, "replay_mismatches": mismatches,
+            "layers_seen": sorted(seen), "ok": changed > 0 and mismatches == 0 and len(seen) > 0}
+
+
 CASES = {
     "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
     "invariance": case_invariance, "checkpoint": case_checkpoint,
     "export": case_export, "objective": case_objective,
+    "replay": case_replay,
 }
 
 

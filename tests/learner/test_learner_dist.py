@@ -31,6 +31,7 @@ CASES_2 = [
     "checkpoint:moe:tp2sp:pp2",
     "export:dense:tp2", "export:moe:ep2",
     "objective:dense:tp1", "objective:dense:tp2", "objective:dense:pp2", "objective:moe:ep2",
+    "replay:moe:ep2", "replay:moe:tp2sp", "replay:moe:pp2",
 ]
 # 4 processes on CI's 2 cores: kept short. (expert_tp > 1 together with ep > 1 cannot run on gloo:
 # megatron's alltoall dispatcher all-gathers unequal token counts over the expert-TP group.)
