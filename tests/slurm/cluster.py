@@ -71,6 +71,8 @@ class SlurmCluster:
         self.env["PATH"] = self.env.get("PATH", "") + ":/usr/sbin:/sbin"
         self._start_munge()
         try:
+            if os.environ.get("MEGARL_SLURM_SINGLE_NODE"):  # to exercise the fallback on purpose
+                raise PermissionError("MEGARL_SLURM_SINGLE_NODE is set")
             self._make_namespaces()
         except (subprocess.CalledProcessError, PermissionError, OSError) as exc:
             err = getattr(exc, "stderr", "") or str(exc)

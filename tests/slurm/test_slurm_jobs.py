@@ -131,17 +131,23 @@ def test_requeue_resumes_from_checkpoint(slurm_cluster: SlurmCluster, work: Path
         assert info["JobState"] == "PENDING" and info["Restarts"] == str(i), job.text()
         c.cmd("scontrol", "update", f"JobId={job.id}", "StartTime=now")  # skip the requeue back-off
 
+    t0 = time.monotonic()
     wait_text(job, r"selftest: step 2 loss", timeout=120)
+    print(f"requeue test: step 2 after {time.monotonic() - t0:.1f}s")
     c.cmd("scancel", "--batch", "--signal=USR1", job.id)
     restart(1)
+    print(f"requeue test: restart 1 after {time.monotonic() - t0:.1f}s")
     first = attempt(0)
     stop1 = int(re.search(r"stopping after checkpoint of step (\d+) on request", first).group(1))
     assert "megarl: requeueing job" in first and "exit 99 for requeue" in first
 
     wait_text(job, marker + r"1 (?s:.*)selftest: step " + str(stop1 + 1) + " loss", timeout=120)
+    print(f"requeue test: attempt 1 stepping after {time.monotonic() - t0:.1f}s")
     c.cmd("scontrol", "requeue", job.id)
     restart(2)
+    print(f"requeue test: restart 2 after {time.monotonic() - t0:.1f}s")
     info = wait_state(c, job, FINAL, timeout=120)
+    print(f"requeue test: done after {time.monotonic() - t0:.1f}s")
     text = job.text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", text
     second, third = attempt(1), attempt(2)
