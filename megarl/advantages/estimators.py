@@ -173,3 +173,4 @@ def compute_advantages(batch: PackedBatch, estimator: str, **knobs) -> torch.Ten
 
 # Method families register their estimators on import; keep this last (they import this module).
 import megarl.methods.credit  # noqa: E402,F401
+import megarl.rewards.shaping  # noqa: E402,F401  (RSPO's estimator)
