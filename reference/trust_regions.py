@@ -76,3 +76,52 @@ def cokl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, tokens:
         total = total + (log_q_ref.exp() * (log_q_ref - log_q)).sum()
         active += 1
     return total / max(active, 1)
+
+
+# --------------------------------------------------------------------------- GAPO
+def gapo_clip_bounds(adv: torch.Tensor, mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
+                     kappa: float = 1.0, eps_min: float = 0.1, eps_max: float = 1.0,
+                     adapt_low: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAPO's per-rollout clip bounds, adapted to the rollout's advantage magnitude.
+
+    a_i   = mean_t m|A_i,t|          (= |A_i| for sequence-level advantages)
+    ā     = mean of a_i over the sequences with loss tokens (the whole batch)
+    ε_h,i = clip(ε_h · (a_i/ā)^κ, ε_min, ε_max);  ε_l,i likewise (or ε_l when adapt_low is False)
+    (a_i/ā)^κ := 1 when ā = 0.
+    Provenance: [RECON] spec methods-a §2 (the abstract keeps the PPO/GSPO surrogate and adapts only
+    the clip threshold, motivated by a reverse-KL trust region; related: ETR, arXiv 2601.03723).
+    adv, mask: [B, L] -> (ε_l [B], ε_h [B])
+    """
+    m = mask.to(adv.dtype)
+    n = m.sum(-1)
+    a = (adv.abs() * m).sum(-1) / n.clamp(min=1)
+    has = n > 0
+    abar = a[has].mean() if has.any() else a.new_zeros(())
+    f = (a / abar) ** kappa if abar > 0 else torch.ones_like(a)
+    hi = torch.clamp(clip_high * f, eps_min, eps_max)
+    lo = torch.clamp(clip_low * f, eps_min, eps_max) if adapt_low else torch.full_like(a, clip_low)
+    return lo, hi
+
+
+def gapo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+         clip_low: float = 0.2, clip_high: float = 0.28, kappa: float = 1.0, eps_min: float = 0.1,
+         eps_max: float = 1.0, adapt_low: bool = True, surrogate: str = "ppo",
+         dual_clip: float | None = None) -> torch.Tensor:
+    """GAPO: PPO (or GSPO) clipped surrogate with the per-rollout bounds of gapo_clip_bounds.
+
+    ppo:  ℓ = max(−r A, −clip(r, 1−ε_l,i, 1+ε_h,i) A)   (dual clip for A < 0 as in ppo_clip)
+    gspo: the same on s_i = exp(mean_t m(logp − old_logp)), on every token of sequence i
+    κ = 0 gives fixed-clip PPO/GSPO exactly (when ε_l, ε_h lie in [ε_min, ε_max]).
+    Provenance: [RECON] spec methods-a §2. logp, old_logp, adv, mask: [B, L] -> [B, L]
+    """
+    lo, hi = gapo_clip_bounds(adv, mask, clip_low, clip_high, kappa, eps_min, eps_max, adapt_low)
+    lo, hi = lo[:, None], hi[:, None]
+    if surrogate == "gspo":
+        m = mask.to(logp.dtype)
+        r = torch.exp(((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1))
+    else:
+        r = torch.exp(logp - old_logp)
+    loss = torch.maximum(-r * adv, -torch.clamp(r, 1 - lo, 1 + hi) * adv)
+    if dual_clip is not None and surrogate == "ppo":
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    return loss
