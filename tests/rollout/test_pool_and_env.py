@@ -175,3 +175,26 @@ def test_vllm_routed_experts_payload_decodes():
     out = decode_routed_experts(base64.b64encode(buf.getvalue()).decode())
     assert out.shape == (5, 3, 2) and out.dtype == torch.int64 and out.tolist() == arr.tolist()
     assert decode_routed_experts(None) is None
+
+
+def test_make_engine_defaults_to_embedded_without_servers(tiny_models):
+    from megarl.rollout import make_engine
+    from megarl.rollout.sglang_client import SGLangEngine
+    from megarl.rollout.vllm_client import VLLMEngine
+
+    async def go():
+        emb = make_engine(None, model_dir=str(tiny_models["v1"]))
+        assert isinstance(emb, EmbeddedEngine)
+        one = make_engine(["http://127.0.0.1:1"], kind="sglang")
+        two = make_engine(["http://127.0.0.1:1", "http://127.0.0.1:2"], kind="vllm", model="tiny")
+        assert isinstance(one, SGLangEngine) and isinstance(two, EnginePool)
+        assert all(isinstance(m.engine, VLLMEngine) for m in two.members)
+        for e in (one, two):
+            await e.close()
+    asyncio.run(go())
+    with pytest.raises(ValueError, match="no server configured and no model_dir"):
+        from megarl.rollout import make_engine
+        make_engine([])
+    with pytest.raises(ValueError, match="unknown engine kind 'tgi'"):
+        from megarl.rollout import make_engine
+        make_engine(["http://x"], kind="tgi")
