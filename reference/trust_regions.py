@@ -125,3 +125,25 @@ def gapo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: to
     if dual_clip is not None and surrogate == "ppo":
         loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
     return loss
+
+
+# --------------------------------------------------------------------------- ESTR
+def estr(logp: torch.Tensor, behav_logp: torch.Tensor, entropy: torch.Tensor, adv: torch.Tensor,
+         eps: float = 0.5, kappa: float = 1.0, h_min: float = 0.05, is_cap: float = 2.0) -> torch.Tensor:
+    """ESTR: entropy-scaled trust region for asynchronous RL (truncated-IS policy gradient).
+
+    δ    = logp − log μ            off-policy deviation from the behaviour (rollout-engine) policy
+    s(H) = max(H, H_min)^κ         the deviation's natural scale at this token's entropy
+    keep = 1[|δ| ≤ ε·s(H)]          (= |δ/s(H)| ≤ ε, the entropy-scaled deviation)
+    ℓ    = −keep · sg(min(e^δ, C)) · A · logp
+    H is the current policy's full-vocabulary entropy (training forward), used as a statistic (no
+    gradient). Provenance: [RECON] spec methods-b §23 (the abstract: the deviation is scaled by the
+    local entropy before thresholding, no extra forward, no version-switch detection).
+    logp, behav_logp, entropy, adv: [B, L] -> [B, L]
+    """
+    delta = (logp - behav_logp).detach()
+    scale = torch.clamp(entropy.detach(), min=h_min) ** kappa
+    keep = (delta.abs() <= eps * scale).to(logp.dtype)
+    w = torch.clamp(torch.exp(delta), max=is_cap)
+    return -keep * w * adv * logp
+
