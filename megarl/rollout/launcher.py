@@ -13,6 +13,7 @@ every control route itself, so it binds directly to the chosen address; its keys
 
 from __future__ import annotations
 
+import atexit
 import json
 import shlex
 import os
@@ -144,6 +145,7 @@ class VLLMServer:
             self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
+        atexit.register(self.stop)  # its own session: not killed with us unless stopped
         try:
             _wait_healthy(self.proc, self.loopback_url, self.log_path, self.cfg.startup_timeout_s, "vLLM")
             if self.cfg.expose_host:
@@ -294,6 +296,7 @@ class SGLangServer:
             log.write(f"$ {shlex.join(cmd)}\n".encode())
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        atexit.register(self.stop)
         try:
             _wait_healthy(self.proc, self.url, self.log_path, self.cfg.startup_timeout_s, "SGLang")
         except BaseException:
