@@ -147,3 +147,22 @@ def estr(logp: torch.Tensor, behav_logp: torch.Tensor, entropy: torch.Tensor, ad
     w = torch.clamp(torch.exp(delta), max=is_cap)
     return -keep * w * adv * logp
 
+
+
+# --------------------------------------------------------------------------- SAO
+def sao_clip(logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor, clip_low: float = 0.2,
+             clip_high: float = 0.28) -> torch.Tensor:
+    """SAO's strict double-sided token clipping (single-rollout asynchronous optimisation).
+
+    r    = exp(logp − log μ)                 μ: behaviour (rollout-engine) policy
+    keep = 1[1 − ε_l ≤ r ≤ 1 + ε_h]           whatever the sign of A
+    ℓ    = −sg(keep) · r · A
+    Unlike PPO-clip (which keeps the gradient on the pessimistic side, e.g. r > 1+ε with A < 0),
+    every out-of-band token gets exactly zero gradient. A comes from a value baseline (A = R − V,
+    one rollout per prompt); the critic is another family's. Provenance: [RECON] spec methods-a §23
+    and methods-b §29 (the abstract names "strict double-sided token-level clipping").
+    logp, behav_logp, adv: [B, L] -> [B, L]
+    """
+    r = torch.exp(logp - behav_logp)
+    keep = ((r >= 1 - clip_low) & (r <= 1 + clip_high)).to(logp.dtype).detach()
+    return -keep * r * adv

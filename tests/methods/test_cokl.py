@@ -16,8 +16,13 @@ from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
 from megarl.testing.equivalence import split_sequences
 from reference import trust_regions as ref
 from reference.policy_losses import ppo_clip
-from tests.methods.trust_regions_harness import (aggregate, assert_equivalent, megarl_method_loss_and_grad,
-                                                 padded_inputs, reference_method_loss_and_grad)
+from tests.methods.trust_regions_harness import (
+    aggregate,
+    assert_equivalent,
+    megarl_method_loss_and_grad,
+    padded_inputs,
+    reference_method_loss_and_grad,
+)
 from tests.property.strategies import rl_cases
 
 KNOBS = st.fixed_dictionaries({"temperature": st.sampled_from([1.0, 0.5]),

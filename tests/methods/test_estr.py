@@ -7,16 +7,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import megarl.objectives.rl_objective as rl_objective
 from megarl.batch import from_sequences
 from megarl.methods.trust_regions.estr import calibrate_kappa
 from megarl.methods.trust_regions.estr import estr as estr_loss
+from megarl.objectives import rl_objective
 from megarl.objectives.api import GlobalNormalisers, LossContext
 from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
 from reference import trust_regions as ref
 from reference.logprobs import entropy as ref_entropy
-from tests.methods.trust_regions_harness import (aggregate, assert_equivalent, megarl_method_loss_and_grad,
-                                                 padded_inputs, reference_method_loss_and_grad)
+from tests.methods.trust_regions_harness import (
+    aggregate,
+    assert_equivalent,
+    megarl_method_loss_and_grad,
+    padded_inputs,
+    reference_method_loss_and_grad,
+)
 from tests.property.strategies import rl_cases
 
 CFGS = st.builds(ObjectiveConfig, policy_loss=st.just("estr"), aggregation=st.sampled_from(["token-mean", "seq-mean-token-mean"]),
@@ -24,6 +29,7 @@ CFGS = st.builds(ObjectiveConfig, policy_loss=st.just("estr"), aggregation=st.sa
                                                          "kappa": st.sampled_from([0.5, 1.0]),
                                                          "h_min": st.sampled_from([0.05, 0.5]),
                                                          "is_cap": st.sampled_from([1.5, 2.0])}))
+
 
 def _reference(case):
     cfg = case.cfg
@@ -35,11 +41,15 @@ def _reference(case):
                          pad, cfg.aggregation)
     return reference_method_loss_and_grad(case, fn)
 
+
 @settings(max_examples=12)
 @given(case=rl_cases(torch.float64, cfgs=CFGS), tp=st.sampled_from([1, 2]), dp=st.sampled_from([1, 2]),
        mb=st.integers(1, 3))
+
+
 def test_matches_reference(case, tp, dp, mb):
     assert_equivalent(megarl_method_loss_and_grad(case, tp, dp, mb), _reference(case), case.logits)
+
 
 def _call(logp, behav, H, adv, **kw):
     T = logp.numel()
@@ -47,8 +57,11 @@ def _call(logp, behav, H, adv, **kw):
     b.rollout_logprobs = behav
     return estr_loss(logp, behav, adv, b.loss_mask.double(), b.cu_seqlens, batch=b, entropy=H, **kw)
 
+
 @given(H=st.floats(0.0, 5.0), eps=st.floats(0.05, 1.0), kappa=st.sampled_from([0.5, 1.0]),
        d=st.lists(st.floats(-2, 2), min_size=1, max_size=8))
+
+
 def test_constant_entropy_is_a_magnitude_mask(H, eps, kappa, d):
     delta = torch.tensor(d, dtype=torch.float64)
     logp = torch.full_like(delta, -1.0)
@@ -57,6 +70,7 @@ def test_constant_entropy_is_a_magnitude_mask(H, eps, kappa, d):
     eps_prime = eps * max(H, 0.05) ** kappa
     want = -(delta.abs() <= eps_prime).double() * torch.exp(delta) * adv * logp
     torch.testing.assert_close(got, want)
+
 
 @given(d=st.floats(-3, 3), h1=st.floats(0, 4), h2=st.floats(0, 4), kappa=st.sampled_from([0.5, 1.0]))
 def test_higher_entropy_never_masks_a_kept_token(d, h1, h2, kappa):
@@ -67,12 +81,14 @@ def test_higher_entropy_never_masks_a_kept_token(d, h1, h2, kappa):
             for h in (lo, hi)]
     assert kept[1] or not kept[0]
 
+
 def test_on_policy_keeps_every_token_and_is_the_plain_policy_gradient():
     logp0 = torch.tensor([-0.5, -2.0, -1.0, -0.1], dtype=torch.float64)
     adv = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
     x = logp0.clone().requires_grad_(True)
     _call(x, logp0, torch.zeros(4, dtype=torch.float64), adv).sum().backward()
     torch.testing.assert_close(x.grad, -adv)
+
 
 def test_uses_only_the_existing_forward(monkeypatch):
     """One vocab-parallel pass per objective call (no extra forward for the entropy)."""
@@ -88,12 +104,14 @@ def test_uses_only_the_existing_forward(monkeypatch):
     assert len(calls) == 1 and torch.isfinite(out.loss)
     assert {"estr/masked_frac", "estr/deviation_abs"} <= set(out.metrics)
 
+
 @given(kappa=st.floats(0.3, 1.5), c=st.floats(0.01, 1.0))
 @settings(max_examples=20)
 def test_calibration_recovers_the_entropy_exponent(kappa, c):
     H = torch.linspace(0.1, 3.0, 50, dtype=torch.float64)
     delta = c * H ** kappa * torch.where(torch.arange(50) % 2 == 0, 1.0, -1.0).double()
     assert calibrate_kappa(delta, H, torch.ones(50)) == pytest.approx(kappa, rel=1e-9)
+
 
 def test_bad_knob_is_named():
     with pytest.raises(ValueError, match="policy_loss_args.eps"):

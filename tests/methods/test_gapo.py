@@ -12,12 +12,17 @@ from megarl.batch import from_sequences
 from megarl.methods.trust_regions.gapo import gapo as gapo_loss
 from megarl.methods.trust_regions.gapo import prepare
 from megarl.objectives.rl_objective import ObjectiveConfig
+from megarl.testing.equivalence import megarl_loss_and_grad
 from reference import trust_regions as ref
 from reference.advantages import grpo
-from tests.methods.trust_regions_harness import (aggregate, assert_equivalent, megarl_method_loss_and_grad,
-                                                 padded_inputs, reference_method_loss_and_grad)
+from tests.methods.trust_regions_harness import (
+    aggregate,
+    assert_equivalent,
+    megarl_method_loss_and_grad,
+    padded_inputs,
+    reference_method_loss_and_grad,
+)
 from tests.property.strategies import rl_cases
-from megarl.testing.equivalence import megarl_loss_and_grad
 
 PPO_ARGS = st.fixed_dictionaries({"kappa": st.sampled_from([0.0, 1.0, 2.0]), "adapt_low": st.booleans(),
                                   "surrogate": st.just("ppo")})
@@ -79,7 +84,7 @@ def test_bounds_monotone_in_advantage_magnitude_and_within_limits(adv, kappa):
     order = torch.argsort(mag)
     assert torch.all(hi[order][1:] >= hi[order][:-1])
     assert torch.all((hi >= 0.1) & (hi <= 1.0))
-    lo_r, hi_r = ref.gapo_clip_bounds(torch.tensor(adv, dtype=torch.float64)[:, None], torch.ones(len(adv), 1),
+    _, hi_r = ref.gapo_clip_bounds(torch.tensor(adv, dtype=torch.float64)[:, None], torch.ones(len(adv), 1),
                                       kappa=kappa)
     torch.testing.assert_close(hi, hi_r)
 
@@ -117,7 +122,7 @@ def test_inside_the_band_the_gradient_is_the_importance_weighted_one():
 def test_gspo_mode_shares_the_clip_decision_within_a_sequence():
     adv = torch.tensor([0, 1.0, 1.0, 1.0, 0, 1.0, 1.0], dtype=torch.float64)
     lr = torch.tensor([0, 0.5, 0.4, 0.6, 0, -1e-5, 0.0], dtype=torch.float64)  # seq 0 out of band, seq 1 in
-    g, b = _tokens_grad("gspo", lr, adv, [3, 2])
+    g, _ = _tokens_grad("gspo", lr, adv, [3, 2])
     assert torch.all(g[1:4] == 0) and torch.all(g[5:7] != 0)
 
 

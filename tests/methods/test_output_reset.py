@@ -14,8 +14,13 @@ from megarl.objectives.api import GlobalNormalisers, LossContext
 from megarl.objectives.policy_losses import ppo
 from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
 from reference import trust_regions as ref
-from tests.methods.trust_regions_harness import (aggregate, assert_equivalent, megarl_method_loss_and_grad,
-                                                 padded_inputs, reference_method_loss_and_grad)
+from tests.methods.trust_regions_harness import (
+    aggregate,
+    assert_equivalent,
+    megarl_method_loss_and_grad,
+    padded_inputs,
+    reference_method_loss_and_grad,
+)
 from tests.property.strategies import rl_cases
 
 AGGS = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -72,7 +77,7 @@ def test_derivative_is_continuous_at_the_margin_and_ppo_is_not(a, p):
     h = 1e-6
 
     def d(fn, x0, x1, **kw):
-        f = lambda x: fn(torch.tensor([x], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),  # noqa: E731
+        f = lambda x: fn(torch.tensor([x], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
                          adv, None, None, **kw).item()
         return (f(x1) - f(x0)) / (x1 - x0)
     left, right = d(or_loss, edge - h, edge, adv_power=p), d(or_loss, edge, edge + h, adv_power=p)

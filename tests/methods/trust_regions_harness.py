@@ -11,7 +11,7 @@ logits [B, L, V] and the padded batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
