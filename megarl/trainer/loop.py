@@ -504,9 +504,12 @@ class Trainer:
             recs = read_metrics(self.run_dir)
             first = next((r for r in recs if "eval/pass@1" in r), None)
             last = next((r for r in reversed(recs) if "eval/pass@1" in r), None)
-            if first is not None and last is not None:
-                _log(f"held-out pass@1: {first['eval/pass@1']:.3f} (step {first['step']}) -> "
-                     f"{last['eval/pass@1']:.3f} (step {last['step']}); metrics: {self.run_dir / 'metrics.jsonl'}")
+            if first is not None and last is not None and first is not last:
+                for k in [k for k in first if k.startswith("eval/") and isinstance(first[k], float)
+                          and k != "eval/reward_greedy" and k in last]:
+                    _log(f"held-out {k[5:]}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} "
+                         f"(step {last['step']})")
+            _log(f"metrics: {self.run_dir / 'metrics.jsonl'}")
         self.loop.close()
 
 

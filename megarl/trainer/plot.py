@@ -1,4 +1,5 @@
-"""End-of-run curves as a PNG: reward mean per step and held-out pass@1.
+"""End-of-run curves as a PNG: reward mean per step (blue), held-out accuracy of samples at the
+rollout temperature (green) and held-out greedy pass@1 (red).
 
 Uses matplotlib when installed; otherwise a small built-in rasteriser (lines on a white canvas,
 no text) written with zlib, so the quickstart always leaves a picture of its reward curve.
@@ -14,7 +15,7 @@ from typing import Optional
 
 from megarl.trainer.metrics import read_metrics
 
-_SERIES = (("reward/mean", (31, 119, 180)), ("eval/pass@1", (214, 39, 40)))
+_SERIES = (("reward/mean", (31, 119, 180)), ("eval/sampled_acc", (44, 160, 44)), ("eval/pass@1", (214, 39, 40)))
 
 
 def plot_run(run_dir: str | os.PathLike) -> Optional[Path]:
@@ -49,7 +50,7 @@ def plot_run(run_dir: str | os.PathLike) -> Optional[Path]:
 
 
 def _raster_png(series: dict, out: Path, W: int = 640, H: int = 360, pad: int = 30) -> None:
-    """Lines for each series (y in [0, 1]) with axes and a 0.1 grid; blue = reward, red = pass@1."""
+    """Lines for each series (y in [0, 1]) with axes and a 0.1 grid; colours as in ``_SERIES``."""
     px = [[(255, 255, 255)] * W for _ in range(H)]
     max_step = max((s for v in series.values() for s, _ in v), default=1) or 1
 
