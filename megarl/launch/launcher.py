@@ -103,6 +103,7 @@ class NodeLauncher:
         self.node = task.node_name
         self._log_stream = log or sys.stdout
         self.stop_signal: str | None = None
+        self._stop_logged = False
         self.servers: list[Child] = []
         self.ranks: list[Child] = []
         self.server_urls: list[str] = []
@@ -158,13 +159,17 @@ class NodeLauncher:
             terminate_all(self.ranks + self.servers)
 
     def _on_signal(self, signum: int, _frame) -> None:
-        name = signal.Signals(signum).name
-        if self.stop_signal is None:
-            self.log(f"got {name}: asking learner ranks to checkpoint and stop")
-        self.stop_signal = name
+        # No printing here: a handler that prints while the main thread prints raises "reentrant call".
+        self.stop_signal = self.stop_signal or signal.Signals(signum).name
         for r in self.ranks:
-            if r.returncode is None:
-                r.signal(signal.SIGUSR1)
+            r.signal(signal.SIGUSR1)
+
+    def _stopping(self) -> bool:
+        """True once a stop signal arrived; logs it the first time."""
+        if self.stop_signal and not self._stop_logged:
+            self._stop_logged = True
+            self.log(f"got {self.stop_signal}: asking learner ranks to checkpoint and stop")
+        return self.stop_signal is not None
 
     # ------------------------------------------------------------------ rollout side
     def _start_servers(self, plan: NodePlan) -> None:
@@ -191,7 +196,7 @@ class NodeLauncher:
                     raise LaunchFailure(f"{child.label} exited with code {child.returncode} during start-up")
                 if http_ok(url + self.opts.rollout_health_path, 2) is None:
                     del pending[url]
-            if self.stop_signal:
+            if self._stopping():
                 raise StopRequested(f"stopped by {self.stop_signal} while rollout servers were starting")
             if pending and time.monotonic() > deadline:
                 raise LaunchFailure(f"rollout server(s) {', '.join(pending)} on {self.node} not healthy after "
@@ -210,7 +215,7 @@ class NodeLauncher:
             if state is not None:
                 self.log(f"learner state '{state}': stopping rollout servers")
                 return EXIT_OK
-            if self.stop_signal:  # exit 0: a non-zero code would make srun --kill-on-bad-exit kill the learner
+            if self._stopping():  # exit 0: a non-zero code would make srun --kill-on-bad-exit kill the learner
                 self.log(f"stopping rollout servers on {self.stop_signal}")
                 return EXIT_OK
             self._check_servers()
@@ -267,9 +272,9 @@ class NodeLauncher:
         return self._supervise_learner(plan, addresses, rdv)
 
     def _check_servers_or_stop(self) -> None:
-        self._check_servers()
-        if self.stop_signal:
+        if self._stopping():  # first: the same signal may have killed our servers (Slurm signals every process)
             raise StopRequested(f"stopped by {self.stop_signal} while waiting for rollout servers")
+        self._check_servers()
 
     def _supervise_learner(self, plan: NodePlan, addresses: dict[str, list[str]], rdv: Rendezvous) -> int:
         watch_health = plan.node_rank == 0
@@ -287,7 +292,7 @@ class NodeLauncher:
                 raise LaunchFailure("; ".join(f"{r.label} exited with code {c}" for r, c in bad))
             if all(c is not None for c in codes):
                 break
-            if self.stop_signal:
+            if self._stopping():
                 if not wait_all(self.ranks, self.opts.stop_grace_s):
                     raise LaunchFailure(f"learner ranks did not stop within {self.opts.stop_grace_s:.0f}s of "
                                         f"{self.stop_signal}")
