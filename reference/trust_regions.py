@@ -166,3 +166,66 @@ def sao_clip(logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor, cl
     r = torch.exp(logp - behav_logp)
     keep = ((r >= 1 - clip_low) & (r <= 1 + clip_high)).to(logp.dtype).detach()
     return -keep * r * adv
+
+
+# --------------------------------------------------------------------------- EPPO
+def eppo_update(ema: torch.Tensor, seen: torch.Tensor, initial: torch.Tensor, task_ids: torch.Tensor,
+                entropy: torch.Tensor, mask: torch.Tensor, momentum: float = 0.9
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of EPPO's per-task entropy statistics.
+
+    μ_k   = Σ m·H / Σ m over the batch's tokens of task k (tasks with tokens in the batch)
+    H̄_k  ← μ_k on a task's first batch, else momentum·H̄_k + (1 − momentum)·μ_k
+    H⁰_k  = the task's first μ_k (for h_ref = "initial")
+    Tasks without tokens in the batch keep their statistics; task id −1 means "no task".
+    ema, seen, initial: [K]; task_ids: [B]; entropy, mask: [B, L] -> new (ema, seen, initial)
+    Provenance: [RECON] spec methods-a §24 (EMA momentum 0.9).
+    """
+    ema, seen, initial = ema.clone(), seen.clone(), initial.clone()
+    m = mask.to(torch.float64)
+    for k in range(ema.numel()):
+        rows = task_ids == k
+        n = m[rows].sum()
+        if n == 0:
+            continue
+        mu = (entropy.double()[rows] * m[rows]).sum() / n
+        if seen[k]:
+            ema[k] = momentum * ema[k] + (1 - momentum) * mu
+        else:
+            ema[k], initial[k], seen[k] = mu, mu, True
+    return ema, seen, initial
+
+
+def eppo_task_scales(ema: torch.Tensor, seen: torch.Tensor, initial: torch.Tensor, kappa: float = 1.0,
+                     c_min: float = 0.5, c_max: float = 2.0, h_ref: str = "mean") -> torch.Tensor:
+    """EPPO's clip multiplier per task: c_k = clip((H̄_k / H_ref)^κ, c_min, c_max).
+
+    H_ref = mean of H̄ over the tasks seen so far (h_ref = "mean") or the task's first batch
+    entropy H⁰_k ("initial"). Unseen tasks, or H_ref ≤ 0, get 1 (the base ε).
+    Over-confident (low-entropy) tasks get tighter bounds, under-explored ones looser.
+    Provenance: [RECON] spec methods-a §24 (κ = 1, [c_min, c_max] = [0.5, 2]).
+    [K] -> [K]
+    """
+    ref = initial if h_ref == "initial" else torch.full_like(ema, ema[seen].mean() if seen.any() else 0.0)
+    ok = seen & (ref > 0)
+    ratio = torch.where(ok, ema / torch.where(ok, ref, torch.ones_like(ref)), torch.ones_like(ema))
+    return torch.where(ok, torch.clamp(ratio ** kappa, c_min, c_max), torch.ones_like(ema))
+
+
+def eppo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, task_ids: torch.Tensor,
+         task_scales: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28, adapt_low: bool = True,
+         dual_clip: float | None = None) -> torch.Tensor:
+    """EPPO: PPO clip with the bounds of each sample's task, (1 − ε_l·c_k, 1 + ε_h·c_k).
+
+    c_k from eppo_task_scales after this step's eppo_update; samples without a task (id −1) use
+    the base ε. ε_l is fixed when adapt_low is False.
+    Provenance: [RECON] spec methods-a §24. logp, old_logp, adv: [B, L]; task_ids: [B] -> [B, L]
+    """
+    c = torch.where(task_ids >= 0, task_scales[task_ids.clamp(min=0)], torch.ones_like(task_scales[:1]))
+    c = c.to(logp.dtype)[:, None]
+    lo = clip_low * c if adapt_low else torch.full_like(c, clip_low)
+    r = torch.exp(logp - old_logp)
+    loss = torch.maximum(-r * adv, -torch.clamp(r, 1 - lo, 1 + clip_high * c) * adv)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    return loss

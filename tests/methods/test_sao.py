@@ -12,8 +12,13 @@ from megarl.objectives.api import GlobalNormalisers, LossContext
 from megarl.objectives.policy_losses import ppo
 from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
 from reference import trust_regions as ref
-from tests.methods.trust_regions_harness import (aggregate, assert_equivalent, megarl_method_loss_and_grad,
-                                                 padded_inputs, reference_method_loss_and_grad)
+from tests.methods.trust_regions_harness import (
+    aggregate,
+    assert_equivalent,
+    megarl_method_loss_and_grad,
+    padded_inputs,
+    reference_method_loss_and_grad,
+)
 from tests.property.strategies import rl_cases
 
 CFGS = st.builds(ObjectiveConfig, policy_loss=st.just("sao_clip"), clip_low=st.sampled_from([0.2, 0.1]),

@@ -15,7 +15,7 @@ from tests.methods.trust_regions_harness import megarl_method_loss_and_grad
 from tests.property.strategies import rl_cases
 
 DIR = Path(__file__).parents[2] / "examples" / "methods"
-NAMES = ["output-reset", "cokl", "gapo", "estr", "sao"]
+NAMES = ["output-reset", "cokl", "gapo", "estr", "sao", "eppo"]
 
 
 @pytest.mark.parametrize("name", NAMES)

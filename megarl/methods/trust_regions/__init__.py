@@ -5,4 +5,4 @@ Importing this package registers the policy losses ``output_reset``, ``gapo``, `
 docs: docs/methods/{output-reset,cokl,gapo,estr,sao,eppo}.md.
 """
 
-from megarl.methods.trust_regions import cokl, estr, gapo, output_reset, sao  # noqa: F401
+from megarl.methods.trust_regions import cokl, eppo, estr, gapo, output_reset, sao  # noqa: F401
