@@ -208,3 +208,22 @@ def rubric_dropout(scores: torch.Tensor, weights: torch.Tensor, valid: torch.Ten
                 den += max(w, 0.0)
         R[i] = num / den if den > 0 else 0.0
     return R
+
+
+# ------------------------------------------------------------------------------------ CEDAR-GRPO
+def cedar_reward(correct: list[int], covered: list[list[int]], direction: list[float], lambda_c: float = 0.5,
+                 lambda_d: float = 0.5, gate: str = "none", wrong_weight: float = 0.5) -> torch.Tensor:
+    """CEDAR composite reward.
+
+    R = a + g(a)·(λ_c·(1/m)Σ_j covered(e_j, y) + λ_d·d(y)),   coverage 0 when there is no evidence item
+    g = 1 (gate none), a (correct_only), 1 if a else wrong_weight (reduced); d clipped to [0, 1].
+    Provenance: RECONSTRUCTED (methods-b.md §9) from the abstract (correctness plus abductive process
+    rewards for evidence coverage and directionality); weights and gating are design choices.
+    """
+    out = []
+    for a, cov, d in zip(correct, covered, direction):
+        c = sum(cov) / len(cov) if cov else 0.0
+        proc = lambda_c * c + lambda_d * min(max(d, 0.0), 1.0)
+        g = {"none": 1.0, "correct_only": float(a), "reduced": 1.0 if a else wrong_weight}[gate]
+        out.append(a + g * proc)
+    return torch.tensor(out, dtype=torch.float64)
