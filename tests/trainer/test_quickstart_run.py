@@ -40,7 +40,7 @@ def env() -> dict:
     return dict(os.environ, MEGARL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+def run(args: list[str], timeout: float = 480) -> subprocess.CompletedProcess:
     p = subprocess.run(train_cmd(args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
@@ -90,10 +90,10 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(reference_run):
     proc = subprocess.Popen(train_cmd(args), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 480
         while not (run_dir / "checkpoints" / "step_000002" / "trainer.json").exists():
             assert proc.poll() is None, "the run ended before its first checkpoint"
-            assert time.time() < deadline, "no checkpoint within 240 s"
+            assert time.time() < deadline, "no checkpoint within 480 s"
             time.sleep(0.2)
         time.sleep(0.2)  # into step 3 (which ends with an eval and a checkpoint: seconds)
     finally:

@@ -1,0 +1,81 @@
+"""DAPO dynamic sampling in the trainer's rollout phase, with the real embedded engine on a tiny
+random transformers model (no learner needed): kept groups always have unequal rewards, dropped
+groups are counted, and the number of sampling rounds is capped."""
+
+import asyncio
+
+import pytest
+import torch
+
+from megarl.data.dataset import PromptDataset, PromptRow, PromptSampler
+from megarl.data.tokenizer import CharTokenizer
+from megarl.rewards.compute import RewardComputer
+from megarl.rollout.embedded import EmbeddedEngine
+from megarl.trainer.config import from_dict
+from megarl.trainer.loop import Trainer
+from megarl.trainer.policy import hf_model_from_config
+
+HF = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+          num_key_value_heads=1, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+          rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def trainer(dynamic: bool, max_rounds: int = 3) -> Trainer:
+    cfg = from_dict({
+        "model": {"hf_config": HF, "alphabet": "0123456789R= "},
+        "data": {"train": "unused.jsonl"},
+        # reward 1 when the first generated character is a digit below 5: random under a random model
+        "reward": {"functions": [{"name": "low", "kind": "regex", "pattern": "^[0-4]"}]},
+        "rollout": {"n": 4, "max_new_tokens": 3},
+        "schedule": {"prompts_per_step": 6, "seed": 5},
+        "sampling": {"dynamic": dynamic, "max_rounds": max_rounds},
+    })
+    t = Trainer(cfg)
+    t.tok = CharTokenizer(cfg.model.alphabet)
+    torch.manual_seed(0)
+    model = hf_model_from_config(dict(HF, vocab_size=t.tok.vocab_size, eos_token_id=1, pad_token_id=0,
+                                      bos_token_id=2))
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.02)  # near-uniform sampling: groups of every kind
+    t.engine = EmbeddedEngine(model, eos_token_ids=[1])
+    t.loop = asyncio.new_event_loop()
+    rows = [PromptRow(prompt=f"R {i:03d}=", answer=f"{i:03d}"[::-1], task="reverse", source=f"mem:{i}")
+            for i in range(200)]
+    t.train_ds = PromptDataset(rows)
+    t.sampler = PromptSampler(len(rows), 0)
+    t.rewards = RewardComputer(cfg.reward)
+    return t
+
+
+def groups_of(ro):
+    out = {}
+    for g, r in zip(ro.group_ids, ro.rewards):
+        out.setdefault(g, []).append(r)
+    return out
+
+
+def test_without_dynamic_sampling_every_group_is_kept():
+    t = trainer(dynamic=False)
+    ro, st = t._rollout(step=1)
+    assert st["rounds"] == 1 and st["groups_seen"] == 6
+    assert len(groups_of(ro)) == 6 and len(ro.rewards) == 24
+
+
+def test_dynamic_sampling_keeps_only_informative_groups():
+    t = trainer(dynamic=True, max_rounds=6)
+    ro, st = t._rollout(step=1)
+    gs = groups_of(ro)
+    assert gs, "no informative group in 6 rounds"
+    for rewards in gs.values():
+        assert len(rewards) == 4 and len(set(rewards)) > 1
+    assert sorted(gs) == list(range(len(gs)))  # group ids stay dense
+    assert st["groups_seen"] == len(gs) + st["groups_zero_var"]
+    assert st["groups_zero_var"] > 0, "the test needs some constant groups to be meaningful"
+    assert len(gs) == 6 or st["rounds"] == 6
+
+
+def test_dynamic_sampling_stops_at_max_rounds():
+    t = trainer(dynamic=True, max_rounds=1)
+    ro, st = t._rollout(step=2)
+    assert st["rounds"] == 1 and st["groups_seen"] == 6
+    assert len(groups_of(ro)) == 6 - st["groups_zero_var"]
