@@ -227,3 +227,42 @@ def cedar_reward(correct: list[int], covered: list[list[int]], direction: list[f
         g = {"none": 1.0, "correct_only": float(a), "reduced": 1.0 if a else wrong_weight}[gate]
         out.append(a + g * proc)
     return torch.tensor(out, dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------------------ RRPO
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a @ b) / (a.norm() * b.norm()).clamp(min=1e-12)
+
+
+def rrpo_supcon_loss(pos: torch.Tensor, neg: torch.Tensor, tau: float = 0.1) -> torch.Tensor:
+    """Set-contrastive loss over projected anchor embeddings (loops).
+
+    For each positive anchor z ∈ P:  ℓ_z = −log[ Σ_{p∈P∖z} e^{sim(z,p)/τ} / Σ_{a∈(P∪N)∖z} e^{sim(z,a)/τ} ]
+    L = mean_z ℓ_z, sim = cosine. Needs |P| >= 2.
+    Provenance: RECONSTRUCTED (methods-a.md §19): SupCon-style set-contrastive objective; the
+    abstract names a set-contrastive objective against positive/negative anchor sets.
+    pos: [P, d], neg: [N, d] (already projected by f_φ) -> scalar
+    """
+    terms = []
+    allv = torch.cat([pos, neg])
+    for i in range(pos.shape[0]):
+        num = [torch.exp(_cos(pos[i], pos[j]) / tau) for j in range(pos.shape[0]) if j != i]
+        den = [torch.exp(_cos(pos[i], allv[j]) / tau) for j in range(allv.shape[0]) if j != i]
+        terms.append(-torch.log(torch.stack(num).sum() / torch.stack(den).sum()))
+    return torch.stack(terms).mean()
+
+
+def rrpo_scores(resp: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """S(y) = mean_{p∈P} sim(y, p) − mean_{n∈N} sim(y, n) for projected embeddings; resp [B, d] -> [B]."""
+    out = []
+    for y in resp:
+        sp = torch.stack([_cos(y, p) for p in pos]).mean()
+        sn = torch.stack([_cos(y, n) for n in neg]).mean() if neg.shape[0] else torch.zeros((), dtype=resp.dtype)
+        out.append(sp - sn)
+    return torch.stack(out)
+
+
+def rrpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = False) -> torch.Tensor:
+    """A_i = S_i − mean_group S (÷ std with scale_by_std): group-centred anchor-alignment scores.
+    Provenance: ABSTRACT (group-centred scores as advantages; head frozen during policy optimisation)."""
+    return grpo(scores, group_ids, scale_by_std=scale_by_std)
