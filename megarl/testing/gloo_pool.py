@@ -62,7 +62,7 @@ class GlooPool:
     ``fn(rank, group, payload)`` (fn given as 'module:function') on every rank and returns the
     results in rank order."""
 
-    def __init__(self, world_size: int, timeout_s: float = 20.0):
+    def __init__(self, world_size: int, timeout_s: float = 60.0):
         self.world_size, self.timeout_s = world_size, timeout_s
         self._procs: list = []
         self._conns: list = []
