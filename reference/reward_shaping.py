@@ -266,3 +266,37 @@ def rrpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std:
     """A_i = S_i − mean_group S (÷ std with scale_by_std): group-centred anchor-alignment scores.
     Provenance: ABSTRACT (group-centred scores as advantages; head frozen during policy optimisation)."""
     return grpo(scores, group_ids, scale_by_std=scale_by_std)
+
+
+# ------------------------------------------------------------------------------------------ CARE
+def care_reward(scores: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """R(y) = Σ_k w_k s_k(y) / Σ_k w_k  (scores [B, K] in [0, 1], weights >= 0) -> [B].
+    Provenance: RECONSTRUCTED (methods-b.md §2)."""
+    tot = sum(weights)
+    return torch.tensor([sum(w * float(s[k]) for k, w in enumerate(weights)) / tot if tot > 0 else 0.0
+                         for s in scores], dtype=torch.float64)
+
+
+def care_trigger(r_best: float, r_anchor: float, pref_anchor: float) -> str:
+    """Which branch evolves the rubric: ``adaptive`` when the rubric rates the best rollout at least as
+    high as the anchor but the holistic judge prefers the anchor (Δ ≥ 0, P(y*≻y⁺) > 0.5: the rubric is
+    hacked); ``chase`` when the best rollout still scores below the anchor (Δ < 0); else ``none``.
+    Provenance: RECONSTRUCTED (methods-b.md §2) from the abstract's Adaptive and Chase branches."""
+    delta = r_best - r_anchor
+    if delta >= 0 and pref_anchor > 0.5:
+        return "adaptive"
+    if delta < 0:
+        return "chase"
+    return "none"
+
+
+def care_prune(variances: list[float], k_max: int, protected: int = 0) -> list[int]:
+    """Indices of the criteria kept after dropping, one at a time, the least discriminative (lowest
+    score variance across recent groups; ties: the older one) until at most ``k_max`` remain. The last
+    ``protected`` criteria (just added, no history yet) are never dropped."""
+    keep = list(range(len(variances)))
+    while len(keep) > k_max:
+        cands = [i for i in keep if i < len(variances) - protected]
+        drop = min(cands, key=lambda i: (variances[i], i))
+        keep.remove(drop)
+    return keep
