@@ -162,7 +162,7 @@ class NodeLauncher:
         # No printing here: a handler that prints while the main thread prints raises "reentrant call".
         self.stop_signal = self.stop_signal or signal.Signals(signum).name
         for r in self.ranks:
-            r.signal(signal.SIGUSR1)
+            r.signal(signal.SIGUSR1, group=False)
 
     def _stopping(self) -> bool:
         """True once a stop signal arrived; logs it the first time."""
@@ -268,7 +268,7 @@ class NodeLauncher:
             self.ranks.append(spawn(label, cmd, env))
         if self.stop_signal:  # a signal arrived before the ranks existed
             for r in self.ranks:
-                r.signal(signal.SIGUSR1)
+                r.signal(signal.SIGUSR1, group=False)
         return self._supervise_learner(plan, addresses, rdv)
 
     def _check_servers_or_stop(self) -> None:

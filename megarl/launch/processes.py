@@ -20,10 +20,17 @@ class Child:
     def returncode(self) -> int | None:
         return self.proc.poll()
 
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to the child's whole process group (servers often fork workers)."""
+    def signal(self, sig: int, group: bool = True) -> None:
+        """Send ``sig`` to the child's whole process group (servers often fork workers), or to the child only.
+
+        group=False is for "checkpoint and stop" requests: a learner's helper processes (e.g. megatron's checkpoint
+        writer workers) must not get them, they die of SIGUSR1 mid-write.
+        """
         try:
-            os.killpg(self.proc.pid, sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
         except ProcessLookupError:
             pass
 
