@@ -57,7 +57,7 @@ class LearnerConfig:
     hf_config: Any  # dict, config.json path or model directory
     optim: OptimConfig = field(default_factory=OptimConfig)
     params_dtype: torch.dtype = torch.float32
-    chunk_tokens: int = 4096  # token chunk of the vocab-parallel ops
+    chunk_tokens: Optional[int] = None  # token chunk of the vocab-parallel ops; None: the ops pick ~2**24 elements
     moe_aux_loss_coeff: Optional[float] = None  # None = from the HF config (router_aux_loss_coef)
     moe_routing_replay: bool = False  # R3: train_step replays batch.routed_experts (see record_routes)
     seed: int = 1234
