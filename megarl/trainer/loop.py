@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.batch import PackedBatch, from_sequences
-from megarl.data.dataset import DataError, PromptDataset, PromptRow, PromptSampler, load_jsonl_rows
+from megarl.data.dataset import PromptDataset, PromptRow, PromptSampler, load_jsonl_rows
 from megarl.data.tokenizer import CharTokenizer
 from megarl.objectives.api import GlobalNormalisers
 from megarl.rewards.compute import RewardComputer
@@ -510,6 +509,8 @@ class Trainer:
                     _log(f"held-out {k[5:]}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} "
                          f"(step {last['step']})")
             _log(f"metrics: {self.run_dir / 'metrics.jsonl'}")
+        if self.engine is not None:
+            self.loop.run_until_complete(self.engine.close())
         self.loop.close()
 
 

@@ -4,7 +4,6 @@ groups are counted, and the number of sampling rounds is capped."""
 
 import asyncio
 
-import pytest
 import torch
 
 from megarl.data.dataset import PromptDataset, PromptRow, PromptSampler
