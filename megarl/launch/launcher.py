@@ -269,14 +269,15 @@ class NodeLauncher:
         if self.stop_signal:  # a signal arrived before the ranks existed
             for r in self.ranks:
                 r.signal(signal.SIGUSR1, group=False)
-        return self._supervise_learner(plan, addresses, rdv)
+        return self._supervise_learner(plan, addresses, rdv, [p.node for p in plans if p.runs_learner])
 
     def _check_servers_or_stop(self) -> None:
         if self._stopping():  # first: the same signal may have killed our servers (Slurm signals every process)
             raise StopRequested(f"stopped by {self.stop_signal} while waiting for rollout servers")
         self._check_servers()
 
-    def _supervise_learner(self, plan: NodePlan, addresses: dict[str, list[str]], rdv: Rendezvous) -> int:
+    def _supervise_learner(self, plan: NodePlan, addresses: dict[str, list[str]], rdv: Rendezvous,
+                           learner_nodes: list[str]) -> int:
         watch_health = plan.node_rank == 0
         failures: dict[str, int] = {}
         next_health = time.monotonic() + self.opts.health_interval_s
@@ -309,6 +310,13 @@ class NodeLauncher:
             raise LaunchFailure(f"stopped by {self.stop_signal} after {peer_failure}")
         if self.stop_signal:
             state, rc = "stopped", EXIT_REQUEUE
+            # Exit 99 is a "bad exit" for srun --kill-on-bad-exit: wait until every learner node has stopped, so
+            # no rank is killed while it still writes its part of the checkpoint.
+            rdv.mark_stopped(self.node)
+            missing = rdv.wait_stopped(learner_nodes, self.opts.stop_grace_s)
+            if missing:
+                self.log(f"learner node(s) {', '.join(missing)} did not report stopped within "
+                         f"{self.opts.stop_grace_s:.0f}s")
             self.log(f"learner ranks stopped after {self.stop_signal} (exit codes {codes}); exit {rc} for requeue")
         elif any(codes):
             state, rc = "failed", EXIT_FAILED

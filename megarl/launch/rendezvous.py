@@ -74,6 +74,19 @@ class Rendezvous:
         atomic_write_json(self.address_file, {"servers": servers})
         return self.address_file
 
+    def mark_stopped(self, node: str) -> None:
+        """A learner node whose ranks all stopped (checkpointed) after a stop signal."""
+        atomic_write_text(self.dir / f"stopped-{node}", "stopped\n")
+
+    def wait_stopped(self, nodes: list[str], timeout_s: float, poll_s: float = 0.2) -> list[str]:
+        """Wait until every node in ``nodes`` marked itself stopped; return the ones still missing."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [n for n in nodes if not (self.dir / f"stopped-{n}").exists()]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(poll_s)
+
     def set_learner_state(self, state: str) -> None:
         """'done', 'failed' or 'stopped'; rollout nodes shut down when they see it."""
         atomic_write_text(self.dir / "learner-state", state + "\n")
