@@ -55,8 +55,15 @@ def _set_rng_state(st: dict) -> None:
     torch.set_rng_state(torch.tensor(st["torch"], dtype=torch.uint8))
 
 
-def save(run_dir: str | os.PathLike, step: int, learner, trainer_state: dict, keep_last: int) -> Path:
-    """Write checkpoint ``step`` (collective over the world) and prune to the newest ``keep_last``."""
+OBJECTIVE_STATE = "objective.pt"
+
+
+def save(run_dir: str | os.PathLike, step: int, learner, trainer_state: dict, keep_last: int,
+         objective_state: dict | None = None) -> Path:
+    """Write checkpoint ``step`` (collective over the world) and prune to the newest ``keep_last``.
+
+    ``objective_state``: the stateful objective parts (e.g. EPPO's running task entropies), saved
+    with torch.save next to the trainer state (identical on every rank: rank 0 writes it)."""
     from megarl.learner.checkpoint import save_checkpoint
 
     root = checkpoint_root(run_dir)
@@ -78,6 +85,8 @@ def save(run_dir: str | os.PathLike, step: int, learner, trainer_state: dict, ke
             json.dump(state, f)
             f.flush()
             os.fsync(f.fileno())
+        if objective_state:
+            torch.save(objective_state, tmp / OBJECTIVE_STATE)
         os.rename(tmp, final)
         for _, old in _step_dirs(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -94,3 +103,9 @@ def load(ckpt: Path, learner) -> dict:
         state = json.load(f)
     _set_rng_state(state["rng"])
     return state
+
+
+def load_objective_state(ckpt: Path) -> dict:
+    """The objective state saved with checkpoint ``ckpt`` ({} when it had none)."""
+    path = ckpt / OBJECTIVE_STATE
+    return torch.load(path, weights_only=True) if path.exists() else {}

@@ -169,9 +169,15 @@ class Trainer:
         if cfg.objective.kl_coef:
             self.ref = build_learner(cfg, hf, groups)
             self.ref.load_hf(str(init_dir))
+        from megarl.objectives.rl_objective import build_objective
+
+        # one objective for the whole run: stateful parts (EPPO's task entropies, ...) accumulate
+        # across steps and travel with the checkpoints
+        self.objective = build_objective(cfg.objective)
         start = 0
         if ckpt is not None:
             state = checkpointing.load(ckpt, self.learner)
+            self.objective.load_state_dict(checkpointing.load_objective_state(ckpt))
             start = int(state["step"])
             self.sampler.load_state_dict(state["sampler"])
             self.failures_total = state.get("reward_failures", self.failures_total)
@@ -371,7 +377,6 @@ class Trainer:
 
     def _step(self, step: int) -> dict:
         from megarl.advantages import compute_advantages
-        from megarl.objectives.rl_objective import build_objective
 
         cfg = self.cfg
         rank0 = dist.get_rank() == 0
@@ -397,7 +402,7 @@ class Trainer:
             batch.ref_logprobs, _ = self.ref.compute_logprobs(batch, cfg.schedule.micro_batches)
         t_logprob = time.time() - t0
         compute_advantages(batch, cfg.advantage.estimator, **cfg.advantage.knobs)
-        objective = build_objective(cfg.objective)
+        objective = self.objective
         t0 = time.time()
         train_metrics: list[dict] = []
         gids = torch.unique(batch.group_ids).tolist()
@@ -488,7 +493,8 @@ class Trainer:
         t0 = time.time()
         state = {"sampler": self.sampler.state_dict(), "reward_failures": self.failures_total,
                  "policy_version": step}
-        path = checkpointing.save(self.run_dir, step, self.learner, state, self.cfg.checkpoint.keep_last)
+        path = checkpointing.save(self.run_dir, step, self.learner, state, self.cfg.checkpoint.keep_last,
+                                  objective_state=self.objective.state_dict())
         _log(f"checkpoint {path} ({time.time() - t0:.1f}s)")
 
     def _finish(self) -> None:
