@@ -413,7 +413,8 @@ class Trainer:
                 keep = set(gids[a:b])
                 mb = batch.select([i for i, g in enumerate(batch.group_ids.tolist()) if g in keep])
                 local = self._dp_share(mb)
-                norms = GlobalNormalisers.from_batch(local, self._dp_group())
+                # L_max of seq-mean-token-sum-norm is the generation budget (Dr.GRPO's constant)
+                norms = GlobalNormalisers.from_batch(local, self._dp_group(), cfg.rollout.max_new_tokens)
                 micro = max(1, min(cfg.schedule.micro_batches, local.num_seqs))
                 train_metrics.append(self.learner.train_step(local, objective, micro, norms))
         t_train = time.time() - t0
