@@ -187,6 +187,13 @@ def vocab_parallel_logsumexp(logits: torch.Tensor, tp_group: Any = None, chunk_t
     return _LogSumExp.apply(logits, tp_group, chunk_tokens)
 
 
+def _paired_log_probs(a: torch.Tensor, b: torch.Tensor, lse_a: torch.Tensor, lse_b: torch.Tensor, chunk):
+    """Yield (start, end, log p_a, log p_b) per token chunk of two equally sharded logits."""
+    acc = lse_a.dtype
+    for s, e in _chunks(a.shape[0], chunk, a.shape[-1]):
+        yield s, e, a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1), b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
+
+
 class _KL(torch.autograd.Function):
     """KL(p_a || p_b) of two sharded distributions; gradients to both logits."""
 
@@ -195,9 +202,7 @@ class _KL(torch.autograd.Function):
         lse_a, lse_b = _softmax_stats(a, group, chunk), _softmax_stats(b, group, chunk)
         acc = lse_a.dtype
         kl = torch.zeros(a.shape[0], dtype=acc, device=a.device)
-        for s, e in _chunks(a.shape[0], chunk, a.shape[-1]):
-            la = a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1)
-            lb = b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
+        for s, e, la, lb in _paired_log_probs(a, b, lse_a, lse_b, chunk):
             kl[s:e] = (torch.exp(la) * (la - lb)).sum(-1)
         comm.all_reduce(kl, "sum", group)
         ctx.save_for_backward(a, b, lse_a, lse_b, kl)
@@ -210,9 +215,7 @@ class _KL(torch.autograd.Function):
         acc = lse_a.dtype
         ga = torch.empty_like(a) if ctx.needs_input_grad[0] else None
         gb = torch.empty_like(b) if ctx.needs_input_grad[1] else None
-        for s, e in _chunks(a.shape[0], ctx.chunk, a.shape[-1]):
-            la = a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1)
-            lb = b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
+        for s, e, la, lb in _paired_log_probs(a, b, lse_a, lse_b, ctx.chunk):
             pa = torch.exp(la)
             gs = g[s:e].to(acc).unsqueeze(-1)
             if ga is not None:  # dKL/dz_a = p_a (log p_a - log p_b - KL)
@@ -240,9 +243,7 @@ class _Bhattacharyya(torch.autograd.Function):
         lse_a, lse_b = _softmax_stats(a, group, chunk), _softmax_stats(b, group, chunk)
         acc = lse_a.dtype
         bc = torch.zeros(a.shape[0], dtype=acc, device=a.device)
-        for s, e in _chunks(a.shape[0], chunk, a.shape[-1]):
-            la = a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1)
-            lb = b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
+        for s, e, la, lb in _paired_log_probs(a, b, lse_a, lse_b, chunk):
             bc[s:e] = torch.exp(0.5 * (la + lb)).sum(-1)
         comm.all_reduce(bc, "sum", group)
         ctx.save_for_backward(a, b, lse_a, lse_b, bc)
@@ -255,9 +256,7 @@ class _Bhattacharyya(torch.autograd.Function):
         acc = lse_a.dtype
         grads = [torch.empty_like(a) if ctx.needs_input_grad[0] else None,
                  torch.empty_like(b) if ctx.needs_input_grad[1] else None]
-        for s, e in _chunks(a.shape[0], ctx.chunk, a.shape[-1]):
-            la = a[s:e].to(acc) - lse_a[s:e].unsqueeze(-1)
-            lb = b[s:e].to(acc) - lse_b[s:e].unsqueeze(-1)
+        for s, e, la, lb in _paired_log_probs(a, b, lse_a, lse_b, ctx.chunk):
             root = torch.exp(0.5 * (la + lb))
             gs = g[s:e].to(acc).unsqueeze(-1)
             bcs = bc[s:e].unsqueeze(-1)
