@@ -143,8 +143,7 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
     init_distributed()
     world = dist.get_world_size()
     layout.data_parallel_size(world)  # validates
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -165,10 +164,43 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
         pg_collection=pgc, device=device)
 
 
-def destroy_parallel() -> None:
-    """Tear down megatron's groups (the default process group stays)."""
+def _megatron_groups() -> list[dist.ProcessGroup]:
+    """Every process group this rank holds in megatron's ``parallel_state`` globals (deduplicated,
+    the default group excluded)."""
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    found: dict[int, dist.ProcessGroup] = {}
+
+    def visit(value) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            found.setdefault(id(value), value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+
+    for name, value in vars(ps).items():
+        if name.startswith("_") and name.isupper():
+            visit(value)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return [g for g in found.values() if g is not world]
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups (the default process group stays).
+
+    megatron's ``destroy_model_parallel`` only forgets its groups; the communicators stay alive, and
+    each gloo group keeps its own threads. Switching layouts many times in one process (tests, the
+    proxy comparison) would pile up thousands of threads, so the groups are destroyed first.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return
+    if dist.is_initialized():
+        for group in _megatron_groups():
+            dist.destroy_process_group(group)
+    ps.destroy_model_parallel()
 

@@ -404,7 +404,27 @@ def case_replay(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
             "layers_seen": sorted(seen), "ok": changed > 0 and mismatches == 0 and len(seen) > 0}
 
 
+def case_groups(args, moe: bool, layout_name: str) -> dict:
+    """Switching layouts again and again must not pile up communicator threads (megatron forgets its
+    groups without destroying them; initialize_parallel destroys them)."""
+    def threads() -> int:  # native threads too (gloo's are not Python threads)
+        return len(os.listdir("/proc/self/task"))
+
+    names = ["tp1", "tp2", "ep2", "pp2", "tp2sp"] if moe else ["tp1", "tp2", "pp2", "tp2sp"]
+    initialize_parallel(LAYOUTS[layout_name])
+    before = threads()
+    for _ in range(3):
+        for name in names:
+            groups = initialize_parallel(LAYOUTS[name])
+            t = torch.ones(1)
+            dist.all_reduce(t, group=groups.tp)  # the new groups work
+    after = threads()
+    grown = int(max_over_world(after - before))
+    return {"threads_before": before, "threads_after": after, "grown": grown, "ok": grown <= 4}
+
+
 CASES = {
+    "groups": case_groups,
     "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
     "invariance": case_invariance, "checkpoint": case_checkpoint,
     "export": case_export, "objective": case_objective,
