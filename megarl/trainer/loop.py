@@ -187,7 +187,7 @@ class Trainer:
         elif rank0 and self.metrics.path.exists():
             self.metrics.truncate_after(0)
         self.engine = self._make_engine() if rank0 else None
-        self.loop = asyncio.new_event_loop()
+        self.loop = self._make_event_loop()
         self._sync_weights(version=start)
         if start == 0 and rank0 and not any(r.get("step") == 0 for r in read_metrics(self.run_dir)):
             rec = {"step": 0, **self._evaluate()}
@@ -214,6 +214,10 @@ class Trainer:
         return code
 
     # ------------------------------------------------------------------------------------ pieces
+    def _make_event_loop(self):
+        """The loop every engine call runs on (``run_until_complete``); the async loop's runs in a thread."""
+        return asyncio.new_event_loop()
+
     def _make_engine(self):
         r = self.cfg.rollout
         if r.engine == "embedded":
