@@ -17,7 +17,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+from contextlib import contextmanager
 from dataclasses import asdict
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -125,6 +128,28 @@ def _sharded_state(learner: Learner, is_loading: bool) -> dict:
     }
 
 
+# Slurm pre-emption and requeue signal every process of a job step.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGINT})
+
+
+@contextmanager
+def stop_signals_blocked_in_helpers() -> Iterator[None]:
+    """Block the stop signals in this thread while megatron's checkpoint writer starts its helpers.
+
+    dist_checkpointing's writer forks one worker per bucket and, once per process, *spawns* a
+    ``multiprocessing.Manager`` server that lives on across saves. Those processes do not run the
+    trainer's handlers: a SIGUSR1/SIGTERM that Slurm sends to the whole step kills them (default
+    action), and the next save fails with BrokenPipeError/EOFError. A blocked signal mask is inherited
+    through fork and kept across exec, so helpers born inside this block never act on these signals.
+    This process still gets them: they are delivered to another thread or once the block ends.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
     """Save the learner (collective). Refuses to overwrite an existing ``ckpt_dir``."""
     from megatron.core import dist_checkpointing
@@ -141,7 +166,8 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
     state = _sharded_state(learner, is_loading=False)
     state["scheduler"] = learner.scheduler.state_dict()
     state["step"] = learner.step
-    dist_checkpointing.save(state, tmp)
+    with stop_signals_blocked_in_helpers():
+        dist_checkpointing.save(state, tmp)
     if dist.get_rank() == 0:
         meta = {"step": learner.step, "layout": asdict(learner.groups.layout),
                 "world_size": dist.get_world_size(), "hf_config": learner.hf_config}
