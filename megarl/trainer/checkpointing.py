@@ -56,14 +56,16 @@ def _set_rng_state(st: dict) -> None:
 
 
 OBJECTIVE_STATE = "objective.pt"
+METHOD_STATE = "method.pt"  # advantage-estimator state, reward shaper, RRPO head (megarl.trainer.method_inputs)
 
 
 def save(run_dir: str | os.PathLike, step: int, learner, trainer_state: dict, keep_last: int,
-         objective_state: dict | None = None) -> Path:
+         objective_state: dict | None = None, method_state: dict | None = None) -> Path:
     """Write checkpoint ``step`` (collective over the world) and prune to the newest ``keep_last``.
 
     ``objective_state``: the stateful objective parts (e.g. EPPO's running task entropies), saved
-    with torch.save next to the trainer state (identical on every rank: rank 0 writes it)."""
+    with torch.save next to the trainer state (identical on every rank: rank 0 writes it).
+    ``method_state``: the other method state (GEPO history, reward shaper, RRPO head), rank 0's."""
     from megarl.learner.checkpoint import save_checkpoint
 
     root = checkpoint_root(run_dir)
@@ -87,6 +89,8 @@ def save(run_dir: str | os.PathLike, step: int, learner, trainer_state: dict, ke
             os.fsync(f.fileno())
         if objective_state:
             torch.save(objective_state, tmp / OBJECTIVE_STATE)
+        if method_state:
+            torch.save(method_state, tmp / METHOD_STATE)
         os.rename(tmp, final)
         for _, old in _step_dirs(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -108,4 +112,10 @@ def load(ckpt: Path, learner) -> dict:
 def load_objective_state(ckpt: Path) -> dict:
     """The objective state saved with checkpoint ``ckpt`` ({} when it had none)."""
     path = ckpt / OBJECTIVE_STATE
+    return torch.load(path, weights_only=True) if path.exists() else {}
+
+
+def load_method_state(ckpt: Path) -> dict:
+    """The method state saved with checkpoint ``ckpt`` ({} when it had none)."""
+    path = ckpt / METHOD_STATE
     return torch.load(path, weights_only=True) if path.exists() else {}

@@ -100,13 +100,27 @@ class RewardFunctionConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """LLM-judge calls of judged reward shapers (CEDAR, CARE) through the rollout engine: each call
+    is bounded by ``timeout_s``; failed or malformed replies are contained and counted."""
+
+    timeout_s: float = 30.0
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+
+
+@dataclass
 class RewardConfig:
     """Reward dimensions; the scalar reward is their weighted sum. A python reward function that
-    raises or runs past ``timeout_s`` gets ``fallback`` and is counted in the metrics."""
+    raises or runs past ``timeout_s`` gets ``fallback`` and is counted in the metrics.
+    ``shaping``: an optional reward shaper ``{name: <REWARD_SHAPERS key>, <knobs>}`` applied to the
+    rewards of every rollout batch (megarl/trainer/shaping.py)."""
 
     functions: list = field(default_factory=lambda: [RewardFunctionConfig()])
     timeout_s: float = 5.0
     fallback: float = 0.0
+    shaping: Optional[dict] = None
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass
@@ -115,6 +129,30 @@ class AdvantageConfig:
 
     estimator: str = "grpo"
     knobs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RRPOConfig:
+    """RRPO's anchors and projection head (megarl/trainer/rrpo_scores.py). Anchor prompts are
+    ``str.format`` templates over ``prompt``, ``answer`` and ``wrong`` (a corrupted answer)."""
+
+    anchors: int = 4  # positive and negative anchor samples per prompt
+    positive_prompt: str = "{answer} {prompt}"
+    negative_prompt: str = "{wrong} {prompt}"
+    head_dim: int = 32
+    head_hidden: int = 64
+    head_steps: int = 20  # Adam steps on the set-contrastive loss per RL step
+    lr: float = 1.0e-2
+    tau: float = 0.1
+
+
+@dataclass
+class CreditConfig:
+    """Inputs the trainer derives for credit methods: DASH's answer commitments (``answer_pattern``,
+    a regex whose first group is the committed answer) and RRPO's anchors and head."""
+
+    answer_pattern: str = r"\\boxed\{([^{}]*)\}"
+    rrpo: RRPOConfig = field(default_factory=RRPOConfig)
 
 
 @dataclass
@@ -200,6 +238,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    credit: CreditConfig = field(default_factory=CreditConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -426,10 +465,42 @@ def validate(cfg: TrainConfig) -> None:
         if f.kind == "python" and (not f.function or ":" not in f.function):
             raise ConfigError(f"reward.functions[{i}].function must be 'module:function' for kind 'python', "
                               f"got {f.function!r}")
+    _check_method_inputs(cfg)
     if cfg.model.hf_dir is None and not cfg.model.hf_config:
         raise ConfigError("model: give model.hf_dir (a HF checkpoint) or model.hf_config (built with random weights)")
     if cfg.objective.kl_coef and cfg.warmup.sft_steps == 0 and cfg.model.hf_dir is None:
         pass  # the reference is the random initial model: allowed, if odd
+
+
+def _check_method_inputs(cfg: TrainConfig) -> None:
+    """``reward.shaping`` (knobs checked by the shaper's signature), the judge and ``credit``."""
+    import re
+
+    from megarl.rewards.shaping import build_reward_shaping
+
+    if cfg.reward.shaping is not None:
+        try:
+            build_reward_shaping({"shaping": cfg.reward.shaping})
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e) if "reward.shaping" in str(e) else f"reward.shaping: {e}") from None
+    _positive("reward.judge.timeout_s", cfg.reward.judge.timeout_s)
+    _positive("reward.judge.max_new_tokens", cfg.reward.judge.max_new_tokens)
+    try:
+        re.compile(cfg.credit.answer_pattern)
+    except re.error as e:
+        raise ConfigError(f"credit.answer_pattern={cfg.credit.answer_pattern!r} is not a regex: {e}") from None
+    rr = cfg.credit.rrpo
+    for key in ("anchors", "head_dim", "head_hidden", "head_steps", "lr", "tau"):
+        _positive(f"credit.rrpo.{key}", getattr(rr, key))
+    if cfg.advantage.estimator == "rrpo" and rr.anchors < 2:
+        raise ConfigError(f"credit.rrpo.anchors={rr.anchors} must be >= 2 (the set-contrastive loss needs 2 "
+                          "positive anchors)")
+    for key in ("positive_prompt", "negative_prompt"):
+        try:
+            getattr(rr, key).format(prompt="", answer="", wrong="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"credit.rrpo.{key}={getattr(rr, key)!r}: only {{prompt}}, {{answer}} and "
+                              f"{{wrong}} may be used ({e!r})") from None
 
 
 def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int) -> None:

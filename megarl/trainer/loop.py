@@ -21,7 +21,7 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -35,6 +35,7 @@ from megarl.objectives.api import GlobalNormalisers
 from megarl.rewards.compute import RewardComputer
 from megarl.trainer import checkpointing
 from megarl.trainer.config import ConfigError, TrainConfig, check_layout, save_resolved
+from megarl.trainer.method_inputs import MethodInputs
 from megarl.trainer.metrics import MetricsWriter, Progress, read_metrics
 from megarl.trainer.policy import SFTObjective, build_learner, export_state, hf_model_from_config
 
@@ -54,6 +55,8 @@ class Rollouts:
     rewards: list[float]
     reward_dims: dict[str, list[float]]
     responses: list[str]
+    answers: list[str] = field(default_factory=list)  # ground truth per sample (DASH checkpoints)
+    extras: dict[str, list[float]] = field(default_factory=dict)  # per-sample method inputs (rrpo_scores)
 
 
 def _log(msg: str) -> None:
@@ -163,21 +166,14 @@ class Trainer:
         if ckpt is None and not init_dir.is_dir():
             self._warmup(init_dir)
         dist.barrier()
-        self.learner = build_learner(cfg, hf, groups)
-        self.learner.load_hf(str(init_dir))
-        self.ref = None
-        if cfg.objective.kl_coef:
-            self.ref = build_learner(cfg, hf, groups)
-            self.ref.load_hf(str(init_dir))
-        from megarl.objectives.rl_objective import build_objective
-
-        # one objective for the whole run: stateful parts (EPPO's task entropies, ...) accumulate
-        # across steps and travel with the checkpoints
-        self.objective = build_objective(cfg.objective)
+        self._build_policy_and_method(init_dir)
         start = 0
+        method_state: dict = {}
         if ckpt is not None:
             state = checkpointing.load(ckpt, self.learner)
             self.objective.load_state_dict(checkpointing.load_objective_state(ckpt))
+            method_state = checkpointing.load_method_state(ckpt)
+            self.method.load_state_dict(method_state.get("inputs", {}))
             start = int(state["step"])
             self.sampler.load_state_dict(state["sampler"])
             self.failures_total = state.get("reward_failures", self.failures_total)
@@ -188,6 +184,7 @@ class Trainer:
             self.metrics.truncate_after(0)
         self.engine = self._make_engine() if rank0 else None
         self.loop = self._make_event_loop()
+        self.shaping, self.rrpo = self._rank0_methods(method_state) if rank0 else (None, None)
         self._sync_weights(version=start)
         if start == 0 and rank0 and not any(r.get("step") == 0 for r in read_metrics(self.run_dir)):
             rec = {"step": 0, **self._evaluate()}
@@ -217,6 +214,89 @@ class Trainer:
     def _make_event_loop(self):
         """The loop every engine call runs on (``run_until_complete``); the async loop's runs in a thread."""
         return asyncio.new_event_loop()
+
+    def _build_policy_and_method(self, init_dir: Path) -> None:
+        """The learner and (when a method needs it) the frozen reference, both holding the initial
+        policy ``init_dir``; the method inputs and the objective, each made once per run."""
+        from megarl.objectives.rl_objective import build_objective
+
+        cfg = self.cfg
+        self.learner = build_learner(cfg, self.hf, self.groups)
+        self.learner.load_hf(str(init_dir))
+        # what the configured methods need beyond the core batch (entropies, reference, steps, ...)
+        # and the advantage estimator's state (GEPO's history): one per run, like the objective
+        self.method = MethodInputs(cfg)
+        self.ref = None
+        if self.method.needs_ref:
+            self.ref = build_learner(cfg, self.hf, self.groups)
+            self.ref.load_hf(str(init_dir))
+        # one objective for the whole run: stateful parts (EPPO's task entropies, ...) accumulate
+        # across steps and travel with the checkpoints
+        self.objective = build_objective(cfg.objective)
+
+    def _rank0_methods(self, state: dict) -> tuple:
+        """Rank 0's reward shaper (``reward.shaping``, LLM judges over the run's engine) and RRPO
+        scorer, each with its checkpointed state; (None, None) when the config has neither."""
+        cfg = self.cfg
+        shaping = rrpo = None
+        if cfg.reward.shaping is not None:
+            from megarl.trainer.shaping import JudgeTokenizer, RewardShaping
+
+            judge = None
+            if cfg.reward.shaping["name"] in ("cedar", "care"):
+                from megarl.rewards.shaping.judge import LLMJudge
+                from megarl.rollout.types import SamplingParams
+
+                j = cfg.reward.judge
+                room = int(self.hf.get("max_position_embeddings", 4096)) - j.max_new_tokens - 1
+                judge = LLMJudge(self.engine, JudgeTokenizer(self.tok, room), timeout_s=j.timeout_s,
+                                 sampling=SamplingParams(temperature=j.temperature, max_new_tokens=j.max_new_tokens,
+                                                         stop_token_ids=(self.tok.eos_id,)))
+
+            def score_anchor(answer: str) -> dict[str, float]:
+                return {k: float(v[0]) for k, v in self.rewards([answer], [answer]).dims.items()}
+
+            shaping = RewardShaping(cfg, self.loop.run_until_complete, judge, score_anchor)
+            if "shaping" in state:
+                shaping.load_state_dict(state["shaping"])
+        if self.method.needs_rrpo_scores:
+            from megarl.trainer.rrpo_scores import RRPOScorer
+
+            if cfg.rollout.engine != "embedded":
+                raise ConfigError("advantage.estimator=rrpo needs rollout.engine: embedded (the anchors and "
+                                  "rollouts are embedded with the engine's in-process model)")
+            rrpo = RRPOScorer(cfg, int(self.hf["hidden_size"]), cfg.model.seed)
+            if "rrpo" in state:
+                rrpo.load_state_dict(state["rrpo"])
+        return shaping, rrpo
+
+    def _method_state(self) -> dict:
+        """Everything method-specific a checkpoint must hold besides the objective (rank 0's view)."""
+        st: dict = {"inputs": self.method.state_dict()}
+        if getattr(self, "shaping", None) is not None:
+            st["shaping"] = self.shaping.state_dict()
+        if getattr(self, "rrpo", None) is not None:
+            st["rrpo"] = self.rrpo.state_dict()
+        return st
+
+    def _shape_round(self, rr, rows: list[PromptRow], uids: list[int], prompts: list[list[int]],
+                     resp_ids: list[list[int]], texts: list[str], n: int, step: int, rnd: int
+                     ) -> tuple[torch.Tensor, dict[str, list[float]], dict[str, float]]:
+        """Rank 0, one rollout round: shaped scalar rewards [G*n], per-sample extras, metrics."""
+        scalar, extras, metrics = rr.scalar, {}, {}
+        if self.shaping is not None:
+            from megarl.trainer.shaping import RoundRewards
+
+            out = self.shaping.shape(RoundRewards([r.prompt for r in rows], [r.answer for r in rows], uids, texts,
+                                                  rr.dims, rr.scalar, n), step)
+            scalar, metrics = out.scalar, dict(out.metrics)
+        if self.rrpo is not None:
+            scores, m = self.rrpo.scores(self.engine.model, self.engine, self.loop.run_until_complete, self.tok,
+                                         prompts, [r.prompt for r in rows], [r.answer for r in rows], resp_ids, n,
+                                         self._sampling_params(step, rnd + 1000, 0))
+            extras["rrpo_scores"] = scores
+            metrics.update(m)
+        return scalar, extras, metrics
 
     def _make_engine(self):
         r = self.cfg.rollout
@@ -322,7 +402,8 @@ class Trainer:
         rnd = 0
         while True:
             need = want - len(set(out.group_ids))
-            rows = [self.train_ds.rows[i] for i in self.sampler.next_indices(need)]
+            uids = list(self.sampler.next_indices(need))
+            rows = [self.train_ds.rows[i] for i in uids]
             t0 = time.time()
             prompts, results = self._generate(rows, n, step, rnd)
             stats["gen_time"] += time.time() - t0
@@ -337,6 +418,9 @@ class Trainer:
                     answers.append(row.answer)
                     stats["gen_tokens"] += len(s.token_ids)
             rr = self.rewards(texts, answers)
+            shaped, round_extras, method_metrics = self._shape_round(rr, rows, uids, prompts, resp_ids, texts, n,
+                                                                     step, rnd)
+            stats.setdefault("method", {}).update(method_metrics)
             stats["reward_time"] += time.time() - t0
             stats["errors"] += rr.errors
             stats["timeouts"] += rr.timeouts
@@ -344,7 +428,7 @@ class Trainer:
                 _log(f"megarl train: reward failure contained ({f}); fallback {cfg.reward.fallback}")
             for gi, (row, p) in enumerate(zip(rows, prompts)):
                 sl = slice(gi * n, (gi + 1) * n)
-                vals = rr.scalar[sl]
+                vals = shaped[sl]
                 stats["groups_seen"] += 1
                 zero_var = bool((vals == vals[0]).all())
                 stats["groups_zero_var"] += int(zero_var)
@@ -359,6 +443,9 @@ class Trainer:
                 out.truncated += trunc[sl]
                 out.rewards += vals.tolist()
                 out.responses += texts[sl]
+                out.answers += [row.answer] * n
+                for k, v in round_extras.items():
+                    out.extras.setdefault(k, []).extend(v[sl])
                 for k in out.reward_dims:
                     out.reward_dims[k] += rr.dims[k][sl].tolist()
             rnd += 1
@@ -380,8 +467,6 @@ class Trainer:
                               rollout_logprobs=torch.tensor(lp, dtype=torch.float32))
 
     def _step(self, step: int) -> dict:
-        from megarl.advantages import compute_advantages
-
         cfg = self.cfg
         rank0 = dist.get_rank() == 0
         t_step = time.time()
@@ -400,12 +485,18 @@ class Trainer:
             return rec
         batch = self._batch(ro, step)
         t0 = time.time()
-        if cfg.schedule.old_logprobs == "recompute":
-            batch.old_logprobs, _ = self.learner.compute_logprobs(batch, cfg.schedule.micro_batches)
+        want_ent = self.method.needs_entropies  # GEPO, EPPO: the behaviour policy's full-vocab entropy
+        if cfg.schedule.old_logprobs == "recompute" or want_ent:
+            lp, batch.entropies = self.learner.compute_logprobs(batch, cfg.schedule.micro_batches,
+                                                                with_entropy=want_ent)
+            if cfg.schedule.old_logprobs == "recompute":
+                batch.old_logprobs = lp
         if self.ref is not None:
             batch.ref_logprobs, _ = self.ref.compute_logprobs(batch, cfg.schedule.micro_batches)
         t_logprob = time.time() - t0
-        compute_advantages(batch, cfg.advantage.estimator, **cfg.advantage.knobs)
+        self.method.fill_batch(batch, self.tok, ro.answers, ro.reward_dims, ro.extras)
+        self.method.advantages(batch)
+        rec.update(self.method.metrics(batch))
         objective = self.objective
         t0 = time.time()
         train_metrics: list[dict] = []
@@ -469,6 +560,7 @@ class Trainer:
                     "reward/fn_errors": rs["errors"], "reward/fn_timeouts": rs["timeouts"],
                     "reward/fn_errors_total": self.failures_total["errors"],
                     "reward/fn_timeouts_total": self.failures_total["timeouts"]})
+        rec.update(rs.get("method", {}))
         return rec
 
     def _evaluate(self) -> dict:
@@ -499,7 +591,7 @@ class Trainer:
         state = {"sampler": self.sampler.state_dict(), "reward_failures": self.failures_total,
                  "policy_version": step}
         path = checkpointing.save(self.run_dir, step, self.learner, state, self.cfg.checkpoint.keep_last,
-                                  objective_state=self.objective.state_dict())
+                                  objective_state=self.objective.state_dict(), method_state=self._method_state())
         _log(f"checkpoint {path} ({time.time() - t0:.1f}s)")
 
     def _finish(self) -> None:
