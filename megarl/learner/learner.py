@@ -29,25 +29,9 @@ import torch.distributed as dist
 from megarl.batch import PackedBatch
 from megarl.learner.forward import align_logits, packed_inputs, run_model, unwrap
 from megarl.learner.model import build_gpt_model, load_hf_config
+from megarl.learner.optim_config import OptimConfig
 from megarl.learner.parallel import ParallelGroups
 from megarl.objectives.api import GlobalNormalisers, LossContext, Objective
-
-
-@dataclass
-class OptimConfig:
-    """Adam + LR schedule + clipping. ``lr_decay_steps`` 0 = constant after warm-up."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 0
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    use_distributed_optimizer: bool = True
 
 
 @dataclass
