@@ -87,17 +87,22 @@ def tokenize_calibration(texts: list[str], tokenizer_dir: str, vocab_size: int, 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     except Exception as e:  # noqa: BLE001 — transformers raises OSError / ValueError / KeyError depending on what is missing
         raise ProxyInputError(f"{tokenizer_dir}: no usable tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
+    if len(tok) < 2:
+        raise ProxyInputError(f"{tokenizer_dir}: no usable tokenizer (vocabulary of {len(tok)} tokens; "
+                              "tokenizer.json / tokenizer_config.json missing?)")
     stream: list[int] = []
+    content = 0
     for t in texts:
         ids = tok(t, add_special_tokens=False)["input_ids"]
+        content += len(ids)
         stream.extend(ids)
         if tok.eos_token_id is not None:
             stream.append(int(tok.eos_token_id))
         if len(stream) >= max_tokens:
             break
     stream = stream[:max_tokens]
-    if len(stream) < 2:
-        raise ProxyInputError(f"calibration data tokenizes to {len(stream)} tokens with {tokenizer_dir}'s tokenizer")
+    if content == 0 or len(stream) < 2:
+        raise ProxyInputError(f"calibration data tokenizes to {content} tokens with {tokenizer_dir}'s tokenizer")
     bad = [i for i in stream if not 0 <= i < vocab_size]
     if bad:
         raise ProxyInputError(f"calibration token id {bad[0]} is outside the model's vocab_size={vocab_size} "
