@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from megarl.faults.config import FaultsConfig, InjectionConfig, validate_faults
 from megarl.objectives.rl_objective import ObjectiveConfig
 
 
@@ -245,10 +246,11 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)  # docs/faults.md
 
 
 # Lists whose items are sections themselves.
-_LIST_ITEM_TYPES = {("reward", "functions"): RewardFunctionConfig}
+_LIST_ITEM_TYPES = {("reward", "functions"): RewardFunctionConfig, ("faults", "inject"): InjectionConfig}
 
 
 # ----------------------------------------------------------------------------------------- loading
@@ -448,6 +450,7 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"advantage.{k}={v!r} must be a number")
     try:
         cfg.objective.validate()
+        validate_faults(cfg.faults)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if r.engine != "embedded" and not r.urls:

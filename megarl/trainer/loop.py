@@ -185,6 +185,12 @@ class Trainer:
         self.engine = self._make_engine() if rank0 else None
         self.loop = self._make_event_loop()
         self.shaping, self.rrpo = self._rank0_methods(method_state) if rank0 else (None, None)
+        from megarl.faults.monitor import FaultMonitor
+        from megarl.trainer.config import to_dict
+
+        # injections, detectors, the non-finite guard and step dumps (docs/faults.md)
+        self.faults = FaultMonitor(cfg.faults, self.learner, groups, self.run_dir, hf, to_dict(cfg),
+                                   read_metrics(self.run_dir))
         self._sync_weights(version=start)
         if start == 0 and rank0 and not any(r.get("step") == 0 for r in read_metrics(self.run_dir)):
             rec = {"step": 0, **self._evaluate()}
@@ -511,7 +517,9 @@ class Trainer:
                 # L_max of seq-mean-token-sum-norm is the generation budget (Dr.GRPO's constant)
                 norms = GlobalNormalisers.from_batch(local, self._dp_group(), cfg.rollout.max_new_tokens)
                 micro = max(1, min(cfg.schedule.micro_batches, local.num_seqs))
+                local = self.faults.before_train(step, local, objective, micro, norms)
                 train_metrics.append(self.learner.train_step(local, objective, micro, norms))
+                self.faults.after_train(step, train_metrics[-1])
         t_train = time.time() - t0
         t0 = time.time()
         self._sync_weights(version=step)
@@ -536,6 +544,7 @@ class Trainer:
                     "time/logprob": t_logprob, "time/train": t_train, "time/sync": t_sync,
                     "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
                     "time/step": time.time() - t_step})
+        rec.update(self.faults.end_step(step, rec))
         return rec
 
     def _rollout_metrics(self, ro: Rollouts, rs: dict) -> dict:

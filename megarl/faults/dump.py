@@ -1,0 +1,144 @@
+"""Step dumps: everything needed to run one trainer step's optimizer steps again, elsewhere.
+
+Layout of ``DUMP = run_dir/dumps/step_000003/``::
+
+    dump.json        step, why (events / dump_steps), the model's shape, the learner layout, the
+                     run config, the injections of the step, per-optimizer-step recorded metrics
+                     (loss, grad_norm, ...), the detector baselines, torch threads, a pointer to the
+                     run checkpoint of the previous step when one exists
+    batches.pt       per optimizer step: the exact PackedBatch the learner got (after any poison),
+                     its number of micro-batches and global normalisers
+    state.pt         objective state and learner step BEFORE the step, torch / Python RNG states
+    weights/         the policy weights BEFORE the step as a HF checkpoint (config.json +
+                     safetensors, the names megarl.convert writes): what ``--model`` defaults to
+
+Written into ``step_NNNNNN.tmp`` and renamed, so a dump directory is always complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from megarl.batch import PackedBatch
+from megarl.objectives.api import GlobalNormalisers
+
+DUMP_META = "dump.json"
+DUMP_BATCHES = "batches.pt"
+DUMP_STATE = "state.pt"
+DUMP_WEIGHTS = "weights"
+
+# HF config keys that must agree between the dumped model and a replay model. Expert count and
+# top-k may differ (that is what a proxy changes).
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim")
+
+
+class DumpError(ValueError):
+    """A dump is missing, incomplete, or does not fit the model it is replayed on."""
+
+
+def batch_to_dict(b: PackedBatch) -> dict:
+    """A PackedBatch as a plain dict of its fields (tensors stay tensors), for torch.save."""
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
+
+
+def batch_from_dict(d: dict) -> PackedBatch:
+    """Inverse of ``batch_to_dict``; checks the batch."""
+    names = {f.name for f in dataclasses.fields(PackedBatch)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise DumpError(f"batch field {unknown[0]!r} is not a PackedBatch field (dump from another version?)")
+    return PackedBatch(**d).validate()
+
+
+def model_shape(hf_config: dict) -> dict:
+    """The shape-defining keys of a HF config, with the routed-expert count and top-k."""
+    out = {k: hf_config.get(k) for k in SHAPE_KEYS}
+    if out["head_dim"] is None and hf_config.get("hidden_size") and hf_config.get("num_attention_heads"):
+        out["head_dim"] = hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    if out["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = hf_config.get("num_attention_heads")
+    out["num_experts"] = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    out["num_experts_per_tok"] = int(hf_config.get("num_experts_per_tok") or 0)
+    return out
+
+
+def check_compatible(dumped: dict, hf_config: dict, model_dir: str, uses_routes: bool = False) -> list[str]:
+    """Raise ``DumpError`` when the model at ``model_dir`` cannot replay a dump of ``dumped``
+    (``model_shape`` of the run); returns notes on accepted differences (fewer experts)."""
+    have = model_shape(hf_config)
+    bad = [f"{k}: dump {dumped.get(k)!r}, model {have[k]!r}" for k in SHAPE_KEYS if dumped.get(k) != have[k]]
+    if bool(dumped.get("num_experts")) != bool(have["num_experts"]):
+        bad.append(f"num_experts: dump {dumped.get('num_experts')}, model {have['num_experts']} "
+                   "(dense vs MoE)")
+    if bad:
+        raise DumpError(f"model {model_dir} does not fit the dump: " + "; ".join(bad))
+    notes = []
+    if have["num_experts"] != dumped.get("num_experts"):
+        if uses_routes:
+            raise DumpError(f"model {model_dir} has {have['num_experts']} experts, the dump {dumped['num_experts']}, "
+                            "and the dumped batch replays recorded routes (routed_experts): expert ids do not "
+                            "carry over to a model with other experts")
+        notes.append(f"proxy: {have['num_experts']} routed experts (top-{have['num_experts_per_tok']}) instead "
+                     f"of {dumped['num_experts']} (top-{dumped['num_experts_per_tok']})")
+    return notes
+
+
+def write_dump(out_dir: Path, meta: dict, batches: list[dict], state: dict,
+               weights: dict[str, torch.Tensor] | None, hf_config: dict) -> Path:
+    """Write a dump atomically (rank 0 only). ``batches``: [{batch: PackedBatch, num_micro_batches,
+    normalisers: GlobalNormalisers}]; ``weights``: HF-named tensors before the step (None: the dump
+    points to ``meta['checkpoint']`` only)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.mkdir(parents=True)
+    torch.save([{"batch": batch_to_dict(b["batch"]), "num_micro_batches": int(b["num_micro_batches"]),
+                 "normalisers": dataclasses.asdict(b["normalisers"])} for b in batches], tmp / DUMP_BATCHES)
+    torch.save(state, tmp / DUMP_STATE)
+    if weights is not None:
+        wdir = tmp / DUMP_WEIGHTS
+        wdir.mkdir()
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(wdir / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (wdir / "config.json").write_text(json.dumps(hf_config, indent=1))
+        meta = dict(meta, weights=DUMP_WEIGHTS)
+    (tmp / DUMP_META).write_text(json.dumps(meta, indent=1, default=str))
+    os.rename(tmp, out_dir)
+    return out_dir
+
+
+def read_dump(dump_dir: str | os.PathLike) -> tuple[dict, list[dict], dict]:
+    """(meta, batches, state) of a dump; batches hold PackedBatch / GlobalNormalisers again."""
+    d = Path(dump_dir)
+    if not d.is_dir():
+        raise DumpError(f"dump {d} does not exist")
+    for name in (DUMP_META, DUMP_BATCHES, DUMP_STATE):
+        if not (d / name).is_file():
+            raise DumpError(f"dump {d} has no {name} (not a megarl step dump, or incomplete)")
+    try:
+        meta = json.loads((d / DUMP_META).read_text())
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{d / DUMP_META}: not valid JSON: {e}") from None
+    raw = torch.load(d / DUMP_BATCHES, weights_only=False)
+    batches = [{"batch": batch_from_dict(r["batch"]), "num_micro_batches": r["num_micro_batches"],
+                "normalisers": GlobalNormalisers(**r["normalisers"])} for r in raw]
+    state = torch.load(d / DUMP_STATE, weights_only=False)
+    return meta, batches, state
+
+
+def default_weights(dump_dir: str | os.PathLike, meta: dict) -> str | None:
+    """The dump's own pre-step HF weights directory, if it has one."""
+    w = meta.get("weights")
+    return str(Path(dump_dir) / w) if w else None
