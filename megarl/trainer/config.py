@@ -74,7 +74,7 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    """Prompt datasets (jsonl; ``path`` may be a glob). ``generate`` writes a synthetic task dataset
+    """Prompt datasets (jsonl or parquet; a path or a glob). ``generate`` writes a synthetic task dataset
     first when the files do not exist (the quickstart's data)."""
 
     train: str = ""
@@ -83,6 +83,8 @@ class DataConfig:
     answer_field: str = "answer"
     task_field: str = "task"
     prompt_template: str = "{prompt}"
+    chat_template: bool = False  # wrap the rendered prompt as a user turn with the HF tokenizer's chat template
+    system_prompt: Optional[str] = None  # chat_template: an optional system turn before the user turn
     on_bad_row: Literal["fatal", "skip"] = "fatal"
     max_bad_rows: int = 10  # with on_bad_row=skip: more bad rows than this is fatal
     generate: Optional[dict] = None  # {task: reverse|add|copy, ...} see megarl.data.tasks
@@ -90,10 +92,12 @@ class DataConfig:
 
 @dataclass
 class RewardFunctionConfig:
-    """One named reward dimension. ``kind``: exact_match | regex | python (``function`` = "module:name")."""
+    """One named reward dimension. ``kind``: exact_match | regex | math_verify (the ``math-verify``
+    package: the response's final answer equals the ground truth mathematically) | python
+    (``function`` = "module:name"). math_verify and python run in a contained worker process."""
 
     name: str = "correct"
-    kind: Literal["exact_match", "regex", "python"] = "exact_match"
+    kind: Literal["exact_match", "regex", "math_verify", "python"] = "exact_match"
     weight: float = 1.0
     pattern: Optional[str] = None  # regex: a match (with the answer substituted for {answer}) = 1
     function: Optional[str] = None  # python: "package.module:function"
@@ -223,9 +227,29 @@ class LoggingConfig:
 
     run_dir: str = "runs/default"
     print_every: int = 1
-    tensorboard: bool = False
-    wandb: bool = False
+    tensorboard: bool = False  # event files in run_dir/tensorboard (the `tensorboard` package)
+    wandb: bool = False  # log to Weights & Biases when the wandb package is installed (never required)
+    wandb_project: str = "megarl"
+    progress: Literal["auto", "bar", "lines"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
     plot: bool = True
+
+
+@dataclass
+class AsyncLoopConfig:
+    """Asynchronous rollouts with bounded staleness (``megarl.trainer.async_loop``).
+
+    Rank 0 generates the rollouts of the next steps in a background thread while the learner trains.
+    A sample's staleness is (the learner's version when it trains on it) - (the version that
+    generated it); the producer never starts a step's rollouts more than ``max_staleness`` versions
+    ahead, and a group found older than that when consumed is dropped or regenerated (``on_stale``).
+    At a weight update the in-flight requests are aborted; ``partial_rollout: abort`` regenerates
+    them from scratch with the new weights, ``continue`` keeps the tokens generated so far and
+    continues them with the new weights (the sample's version is its oldest part's)."""
+
+    enabled: bool = False
+    max_staleness: int = 1
+    partial_rollout: Literal["abort", "continue"] = "abort"
+    on_stale: Literal["drop", "regenerate"] = "regenerate"
 
 
 @dataclass
@@ -246,6 +270,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    async_loop: AsyncLoopConfig = field(default_factory=AsyncLoopConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)  # docs/faults.md
 
 
@@ -428,6 +453,12 @@ def validate(cfg: TrainConfig) -> None:
                    ("logging.print_every", cfg.logging.print_every), ("schedule.eval_k", s.eval_k)):
         _positive(key, v)
     _positive("warmup.sft_steps", cfg.warmup.sft_steps, strict=False)
+    _positive("async_loop.max_staleness", cfg.async_loop.max_staleness, strict=False)
+    if cfg.async_loop.enabled and (cfg.reward.shaping is not None or cfg.advantage.estimator == "rrpo"):
+        raise ConfigError("async_loop.enabled=true: reward.shaping and advantage.estimator=rrpo are not supported "
+                          "by the asynchronous loop yet; disable one of them")
+    if cfg.data.chat_template and cfg.model.tokenizer != "hf":
+        raise ConfigError("data.chat_template=true needs model.tokenizer='hf' (a tokenizer with a chat template)")
     _positive("reward.timeout_s", cfg.reward.timeout_s)
     _positive("rollout.temperature", r.temperature, strict=False)
     if s.mini_batches > s.prompts_per_step:
