@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     if torch_threads:
         torch.set_num_threads(int(torch_threads))
     from megarl.data.dataset import DataError
-    from megarl.trainer.loop import Trainer
+    from megarl.trainer.async_loop import trainer_class
 
     try:
-        return Trainer(cfg).run()
+        return trainer_class(cfg)(cfg).run()
     except (ConfigError, DataError) as e:
         kind = "config" if isinstance(e, ConfigError) else "data"
         print(f"megarl train: {kind} error: {e}", file=sys.stderr)
