@@ -1,7 +1,8 @@
-"""Prompt datasets from jsonl files and a resumable, seeded prompt sampler.
+"""Prompt datasets from jsonl or parquet files and a resumable, seeded prompt sampler.
 
 A bad row (not JSON, not an object, missing or non-string prompt, answer missing, a prompt the
-tokenizer cannot encode) is reported as ``file:line: reason``. ``on_bad_row="fatal"`` stops at the
+tokenizer cannot encode) is reported as ``file:line: reason`` (jsonl, 1-based lines) or
+``file: row N: reason`` (parquet, 0-based row index). ``on_bad_row="fatal"`` stops at the
 first one; ``"skip"`` skips and counts them, and more than ``max_bad_rows`` is fatal (with the
 first few listed).
 """
@@ -12,8 +13,9 @@ import glob
 import json
 import os
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any
 
 
 class DataError(ValueError):
@@ -37,18 +39,49 @@ def _files(pattern: str) -> list[str]:
     for p in paths:
         if not os.path.isfile(p):
             raise DataError(f"{p}: no such file")
-        if not p.endswith((".jsonl", ".json")):
-            raise DataError(f"{p}: only jsonl datasets are supported (parquet is not implemented yet)")
+        if not p.endswith((".jsonl", ".json", ".parquet")):
+            raise DataError(f"{p}: unsupported dataset file; allowed: .jsonl, .json (JSON lines), .parquet")
     return paths
 
 
-def load_jsonl_rows(pattern: str, prompt_field: str = "prompt", answer_field: str = "answer",
+def _records(path: str) -> Iterator[tuple[str, Any]]:
+    """(where, record) for every row of one file; a jsonl line that is not JSON yields a ``_BadJSON``."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        except ImportError:
+            raise DataError(f"{path}: reading parquet needs the pyarrow package") from None
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a broken file
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        for i, rec in enumerate(table.to_pylist()):
+            yield f"{path}: row {i}", rec
+        return
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                yield f"{path}:{lineno}", _BadJSON(f"not valid JSON ({e.msg} at column {e.colno})")
+
+
+@dataclass(frozen=True)
+class _BadJSON:
+    why: str
+
+
+def load_prompt_rows(pattern: str, prompt_field: str = "prompt", answer_field: str = "answer",
                     task_field: str = "task", prompt_template: str = "{prompt}",
-                    check_prompt: Optional[Callable[[str], None]] = None, on_bad_row: str = "fatal",
-                    max_bad_rows: int = 10) -> tuple[list[PromptRow], list[str]]:
-    """Rows of every file matching ``pattern`` and the list of bad-row messages (skip mode).
+                    check_prompt: Callable[[str], None] | None = None, on_bad_row: str = "fatal",
+                    max_bad_rows: int = 10, chat: Callable[[str], str] | None = None
+                    ) -> tuple[list[PromptRow], list[str]]:
+    """Rows of every file (jsonl or parquet) matching ``pattern`` and the bad-row messages (skip mode).
 
     ``prompt_template`` is a ``str.format`` template over the row's fields (``{prompt}`` by default).
+    ``chat(text) -> text`` wraps the filled template in a chat template (``megarl.data.chat``).
     ``check_prompt(text)`` raises ``ValueError`` for a prompt the model cannot take.
     """
     rows: list[PromptRow] = []
@@ -64,51 +97,53 @@ def load_jsonl_rows(pattern: str, prompt_field: str = "prompt", answer_field: st
                             + "\n  ".join(bad[:5]))
 
     for path in _files(pattern):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                where = f"{path}:{lineno}"
-                if not line.strip():
-                    continue
+        for where, obj in _records(path):
+            if isinstance(obj, _BadJSON):
+                report(where, obj.why)
+                continue
+            if not isinstance(obj, dict):
+                report(where, f"expected a JSON object, got {type(obj).__name__}")
+                continue
+            p = obj.get(prompt_field)
+            if not isinstance(p, str) or not p:
+                report(where, f"field {prompt_field!r} must be a non-empty string, got {p!r}")
+                continue
+            a = obj.get(answer_field)
+            if isinstance(a, (int, float)) and not isinstance(a, bool):
+                a = str(a)
+            if not isinstance(a, str):
+                report(where, f"field {answer_field!r} must be a string or number, got {a!r}")
+                continue
+            try:
+                text = prompt_template.format(**{**obj, "prompt": p})
+            except (KeyError, IndexError, ValueError) as e:
+                report(where, f"data.prompt_template {prompt_template!r} cannot be filled: {e!r}")
+                continue
+            if chat is not None:
                 try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    report(where, f"not valid JSON ({e.msg} at column {e.colno})")
+                    text = chat(text)
+                except Exception as e:  # noqa: BLE001 - a template error is this row's problem
+                    report(where, f"the chat template failed: {type(e).__name__}: {e}")
                     continue
-                if not isinstance(obj, dict):
-                    report(where, f"expected a JSON object, got {type(obj).__name__}")
-                    continue
-                p = obj.get(prompt_field)
-                if not isinstance(p, str) or not p:
-                    report(where, f"field {prompt_field!r} must be a non-empty string, got {p!r}")
-                    continue
-                a = obj.get(answer_field)
-                if isinstance(a, (int, float)) and not isinstance(a, bool):
-                    a = str(a)
-                if not isinstance(a, str):
-                    report(where, f"field {answer_field!r} must be a string or number, got {a!r}")
-                    continue
+            if check_prompt is not None:
                 try:
-                    text = prompt_template.format(**{**obj, "prompt": p})
-                except (KeyError, IndexError, ValueError) as e:
-                    report(where, f"data.prompt_template {prompt_template!r} cannot be filled: {e!r}")
+                    check_prompt(text)
+                except ValueError as e:
+                    report(where, f"prompt cannot be tokenized: {e}")
                     continue
-                if check_prompt is not None:
-                    try:
-                        check_prompt(text)
-                    except ValueError as e:
-                        report(where, f"prompt cannot be tokenized: {e}")
-                        continue
-                rows.append(PromptRow(prompt=text, answer=a, task=str(obj.get(task_field, "default")),
-                                      source=where))
+            rows.append(PromptRow(prompt=text, answer=a, task=str(obj.get(task_field, "default")), source=where))
     if not rows:
         raise DataError(f"{pattern}: no usable row")
     return rows, bad
 
 
+load_jsonl_rows = load_prompt_rows  # the name of the jsonl-only first version
+
+
 class PromptDataset:
     """The rows of a dataset plus the task-name -> id map (``task_ids`` of the batch)."""
 
-    def __init__(self, rows: list[PromptRow], bad_rows: Optional[list[str]] = None):
+    def __init__(self, rows: list[PromptRow], bad_rows: list[str] | None = None):
         self.rows = rows
         self.bad_rows = bad_rows or []
         self.task_names = sorted({r.task for r in rows})

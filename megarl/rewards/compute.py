@@ -34,6 +34,13 @@ class RewardComputer:
             elif f.kind == "regex":
                 pattern = f.pattern
                 fn = lambda r, a, _p=pattern: regex_match(r, a, _p)  # noqa: E731
+            elif f.kind == "math_verify":
+                import importlib.util
+
+                if importlib.util.find_spec("math_verify") is None:
+                    raise ValueError(f"reward {f.name!r}: kind 'math_verify' needs the math-verify package "
+                                     "(pip install math-verify)")
+                fn = ContainedFunction("megarl.rewards.math:math_verify_reward", f.kwargs, cfg.timeout_s)
             else:
                 fn = ContainedFunction(f.function, f.kwargs, cfg.timeout_s)
             self._fns.append((f.name, f.weight, fn))
