@@ -111,10 +111,15 @@ class Trainer:
                     raise ConfigError(f"data.generate: {e}; allowed keys: task, num_train, num_eval, digits, seed") \
                         from None
         check = lambda text: tok.encode(text)  # noqa: E731 - raises ValueError on an unknown character
+        chat = None
+        if d.chat_template:
+            from megarl.data.chat import chat_renderer
+
+            chat = chat_renderer(tok, d.system_prompt)
 
         def load(path: str) -> PromptDataset:
             rows, bad = load_jsonl_rows(path, d.prompt_field, d.answer_field, d.task_field, d.prompt_template,
-                                        check, d.on_bad_row, d.max_bad_rows)
+                                        check, d.on_bad_row, d.max_bad_rows, chat=chat)
             for b in bad[:5]:
                 _log(f"megarl train: skipped bad row {b}")
             if bad:
