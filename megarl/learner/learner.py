@@ -45,6 +45,9 @@ class LearnerConfig:
     moe_aux_loss_coeff: Optional[float] = None  # None = from the HF config (router_aux_loss_coef)
     moe_routing_replay: bool = False  # R3: train_step replays batch.routed_experts (see record_routes)
     seed: int = 1234
+    # False: a forward-only learner (KL reference, teacher): parameters frozen, no gradient buffers,
+    # no optimizer state or scheduler; train_step refuses
+    trainable: bool = True
 
 
 class Learner:
@@ -66,6 +69,9 @@ class Learner:
         self.config = model.config
         self.config.calculate_per_token_loss = True
         o = cfg.optim
+        if not cfg.trainable:
+            for p in model.parameters():
+                p.requires_grad_(False)  # DDP allocates gradient buffers only for trainable parameters
         self.ddp = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -73,6 +79,12 @@ class Learner:
                                           average_in_collective=False),
             model)
         self.ddp.megarl_spec = self.spec
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.finalize_model_grads_func = self._finalize_grads
+        self.step = 0
+        self.optimizer = self.scheduler = None
+        if not cfg.trainable:
+            return
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
@@ -85,9 +97,6 @@ class Learner:
             lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay,
             lr_decay_style=o.lr_decay_style if o.lr_decay_steps else "constant",
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
-        self.config.no_sync_func = self.ddp.no_sync
-        self.config.finalize_model_grads_func = self._finalize_grads
-        self.step = 0
 
     # ------------------------------------------------------------------------- weights
     @property
@@ -105,6 +114,8 @@ class Learner:
     def _sync_main_params(self) -> None:
         # The optimizer keeps its own fp32 copy (bf16 runs) or a shard view (DistributedOptimizer);
         # after writing weights into the model, reload them from the model.
+        if self.optimizer is None:
+            return
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if hasattr(opt, "reload_model_params"):
                 opt.reload_model_params()
@@ -229,6 +240,8 @@ class Learner:
         """
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a forward-only learner (LearnerConfig.trainable=False)")
         g = self.groups
         dp_group = g.dp if g.dp_size > 1 else None
         if hasattr(objective, "prepare"):  # global-batch statistics of stateful parts (RLObjective)

@@ -17,20 +17,21 @@ from megarl.batch import PackedBatch
 from megarl.objectives.api import LossContext, LossOutput
 
 
-def build_learner(cfg, hf_config: dict, groups, lr: Optional[float] = None):
+def build_learner(cfg, hf_config: dict, groups, lr: Optional[float] = None, trainable: bool = True):
     """A ``Learner`` for ``hf_config`` under ``groups`` with the run's optimizer settings
-    (``lr`` overrides the optimizer's LR, used by the warm-up)."""
+    (``lr`` overrides the optimizer's LR, used by the warm-up; ``trainable=False``: a forward-only
+    learner without optimizer state, for the KL reference)."""
+    import dataclasses
+
     from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
 
-    o = cfg.optimizer
-    optim = OptimConfig(lr=o.lr if lr is None else lr, min_lr=o.min_lr if lr is None else 0.0,
-                        weight_decay=o.weight_decay, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
-                        adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-                        lr_warmup_steps=o.lr_warmup_steps if lr is None else 0,
-                        lr_decay_steps=o.lr_decay_steps if lr is None else 0,
-                        lr_decay_style=o.lr_decay_style if lr is None else "constant")
+    optim = OptimConfig(**dataclasses.asdict(cfg.optimizer))
+    if lr is not None:  # the warm-up: its own constant LR
+        optim = dataclasses.replace(optim, lr=lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=0,
+                                    lr_decay_style="constant")
     dtype = torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32
-    return Learner(LearnerConfig(hf_config=hf_config, optim=optim, params_dtype=dtype, seed=cfg.model.seed), groups)
+    return Learner(LearnerConfig(hf_config=hf_config, optim=optim, params_dtype=dtype, seed=cfg.model.seed,
+                                 trainable=trainable), groups)
 
 
 class SFTObjective:

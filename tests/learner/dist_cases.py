@@ -214,6 +214,28 @@ def case_logprobs(args, moe: bool, layout_name: str) -> dict:
             "ok": d_hf <= PARITY_TOL and d_ent <= PARITY_TOL and d_single <= 1e-5}
 
 
+def case_frozen(args, moe: bool, layout_name: str) -> dict:
+    """A forward-only learner (the KL reference): same logprobs as a trainable one, no optimizer, no
+    gradient buffers, and train_step refuses."""
+    _, d = make_hf_model(moe, args.workdir)
+    groups = initialize_parallel(LAYOUTS[layout_name])
+    full = Learner(LearnerConfig(hf_config=d), groups)
+    full.load_hf(d)
+    frozen = Learner(LearnerConfig(hf_config=d, trainable=False), groups)
+    frozen.load_hf(d)
+    batch = make_batch(7)
+    diff = float((full.compute_logprobs(batch)[0] - frozen.compute_logprobs(batch)[0]).abs().max())
+    grad_buffers = sum(b.grad_data.numel() for b in frozen.ddp.buffers + frozen.ddp.expert_parallel_buffers)
+    full_buffers = sum(b.grad_data.numel() for b in full.ddp.buffers + full.ddp.expert_parallel_buffers)
+    try:
+        frozen.train_step(batch, PolicyGradientObjective())
+        refused = False
+    except RuntimeError:
+        refused = True
+    return {"logprob_diff": diff, "grad_buffer_elems": grad_buffers, "trainable_grad_buffer_elems": full_buffers,
+            "ok": diff <= 1e-5 and frozen.optimizer is None and grad_buffers == 0 and full_buffers > 0 and refused}
+
+
 _REF: dict = {}
 
 
@@ -424,7 +446,7 @@ def case_groups(args, moe: bool, layout_name: str) -> dict:
 
 
 CASES = {
-    "groups": case_groups,
+    "groups": case_groups, "frozen": case_frozen,
     "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
     "invariance": case_invariance, "checkpoint": case_checkpoint,
     "export": case_export, "objective": case_objective,

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 CASES_2 = [
-    "groups:moe:tp1",
+    "groups:moe:tp1", "frozen:moe:ep2",
     "parity:dense:tp1", "parity:dense:tp2", "parity:dense:pp2",
     "parity:moe:tp1", "parity:moe:tp2sp", "parity:moe:ep2", "parity:moe:pp2",
     "roundtrip:dense:tp2", "roundtrip:dense:pp2", "roundtrip:moe:tp2sp", "roundtrip:moe:ep2",
