@@ -21,7 +21,11 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from megarl.faults.config import FaultsConfig, InjectionConfig, validate_faults
+from megarl.learner.optim_config import OptimConfig
 from megarl.objectives.rl_objective import ObjectiveConfig
+
+# the learner's own optimizer settings are the `optimizer` section (one definition, megatron-free)
+OptimizerConfig = OptimConfig
 
 
 class ConfigError(ValueError):
@@ -167,22 +171,6 @@ class SamplingConfig:
 
     dynamic: bool = False
     max_rounds: int = 3
-
-
-@dataclass
-class OptimizerConfig:
-    """Adam and the LR schedule (megatron's OptimizerParamScheduler)."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 0
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
 
 
 @dataclass
