@@ -162,7 +162,7 @@ class Trainer:
         self.groups = groups
         self._install_signal_handlers()
         self.rewards = RewardComputer(cfg.reward) if rank0 else None
-        self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard) if rank0 else None
+        self.metrics = MetricsWriter.from_config(self.run_dir, cfg) if rank0 else None
         self.sampler = PromptSampler(len(train_ds), cfg.schedule.seed)
         self.failures_total = {"errors": 0, "timeouts": 0}
 
@@ -201,7 +201,7 @@ class Trainer:
             rec = {"step": 0, **self._evaluate()}
             self.metrics.write(rec)
             _log(f"step    0/{cfg.schedule.steps} (initial policy){_eval_text(rec)}")
-        progress = Progress(cfg.schedule.steps, start)
+        progress = Progress(cfg.schedule.steps, start, cfg.logging.progress)
         code = 0
         for step in range(start + 1, cfg.schedule.steps + 1):
             rec = self._step(step)
@@ -626,6 +626,7 @@ class Trainer:
                     _log(f"held-out {k[5:]}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} "
                          f"(step {last['step']})")
             _log(f"metrics: {self.run_dir / 'metrics.jsonl'}")
+            self.metrics.close()
         if self.engine is not None:
             self.loop.run_until_complete(self.engine.close())
         self.loop.close()
