@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -34,6 +35,32 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     return logits
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def fuse_expert_tensors(state: dict[str, torch.Tensor], model_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors (``<p>.experts.<e>.{gate,up,down}_proj.weight``, the checkpoint format
+    megarl exports) -> the fused ``<p>.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows)
+    and ``<p>.experts.down_proj`` [E, H, I] of models that store experts fused (transformers >= 5
+    Qwen3-MoE). Tensors of models without fused experts, and all other tensors, pass unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for k, v in state.items():
+        m = _EXPERT.match(k)
+        if m and f"{m.group(1)}.gate_up_proj" in model_keys:
+            parts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = v
+        else:
+            out[k] = v
+    for prefix, d in parts.items():
+        E = 1 + max(e for e, _ in d)
+        missing = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down") if (e, w) not in d]
+        if missing:
+            raise ValueError(f"expert tensors {missing[:3]} are missing (fused experts need all of them)")
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([d[(e, "gate")], d[(e, "up")]], 0) for e in range(E)])
+        out[f"{prefix}.down_proj"] = torch.stack([d[(e, "down")] for e in range(E)])
+    return out
 
 
 @torch.no_grad()
@@ -177,7 +204,8 @@ class EmbeddedEngine(RolloutEngine):
         from safetensors.torch import load_file
 
         names = set(self.model.state_dict().keys())
-        found = check_weights_dir(weights_dir)
+        found = set(fuse_expert_tensors({k: torch.empty(0) for k in check_weights_dir(weights_dir)}, names)
+                    ) if any(k.endswith("experts.gate_up_proj") for k in names) else check_weights_dir(weights_dir)
         missing = sorted(names - found)
         if missing:
             from megarl.rollout.types import WeightsDirError
@@ -188,11 +216,13 @@ class EmbeddedEngine(RolloutEngine):
         await self.update_weights_from_tensors(state, version)
 
     async def update_weights_from_tensors(self, state: dict[str, torch.Tensor], version: Optional[str] = None) -> None:
-        """Copy in-memory tensors (HF names) into the model; shapes must match."""
+        """Copy in-memory tensors (HF names; per-expert MoE tensors are fused for models that store
+        experts fused) into the model; shapes must match."""
         def load() -> None:
             with self._lock:
                 own = self.model.state_dict()
-                for k, v in state.items():
+                fused = fuse_expert_tensors(state, set(own))
+                for k, v in fused.items():
                     if k not in own:
                         continue
                     if own[k].shape != v.shape:
