@@ -83,20 +83,74 @@ class VLLMServerConfig:
     command_prefix: list[str] = field(default_factory=list)
 
 
-class VLLMServer:
-    """A running vLLM server (and its forwarder when exposed). Use ``launch_vllm`` to make one."""
+class _ServerProcess:
+    """What a launched server has in common: its port, work dir and log, the process (in a session
+    of its own), the model's vocabulary, and how it is killed or stopped."""
 
-    def __init__(self, cfg: VLLMServerConfig, keys: RolloutKeys):
+    kind = "server"
+
+    def __init__(self, cfg, keys: RolloutKeys, host: str = "127.0.0.1"):
         self.cfg, self.keys = cfg, keys
-        self.port = cfg.port or free_port()
-        self.work_dir = Path(cfg.work_dir or Path(cfg.model_dir).parent / f"vllm-{self.port}")
+        self.port = cfg.port or free_port(host)
+        self.work_dir = Path(cfg.work_dir or Path(cfg.model_dir).parent / f"{self.kind}-{self.port}")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.work_dir / "server.log"
         self.proc: Optional[subprocess.Popen] = None
-        self.proxy_proc: Optional[subprocess.Popen] = None
-        self.proxy_url: Optional[str] = None
         cfg_json = json.loads((Path(cfg.model_dir) / "config.json").read_text())
         self.vocab_size = int(cfg_json["vocab_size"])
+
+    def _client_defaults(self, kw: dict, max_model_len: int) -> dict:
+        """Client keyword arguments: the job's keys and the model's limits unless given."""
+        kw.setdefault("api_key", self.keys.api_key)
+        kw.setdefault("admin_key", self.keys.admin_key)
+        kw.setdefault("vocab_size", self.vocab_size)
+        kw.setdefault("max_model_len", max_model_len)
+        kw.setdefault("reference_weights_dir", self.cfg.model_dir)
+        return kw
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group at once (what a crashed node looks like to clients)."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    @staticmethod
+    def _terminate(p: Optional[subprocess.Popen], timeout_s: float) -> None:
+        """SIGTERM ``p``'s process group, SIGKILL after ``timeout_s``."""
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Terminate the server (SIGTERM to the process group, SIGKILL after ``timeout_s``)."""
+        self._terminate(self.proc, timeout_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class VLLMServer(_ServerProcess):
+    """A running vLLM server (and its forwarder when exposed). Use ``launch_vllm`` to make one."""
+
+    kind = "vllm"
+
+    def __init__(self, cfg: VLLMServerConfig, keys: RolloutKeys):
+        super().__init__(cfg, keys)
+        self.proxy_proc: Optional[subprocess.Popen] = None
+        self.proxy_url: Optional[str] = None
 
     @property
     def loopback_url(self) -> str:
@@ -180,43 +234,14 @@ class VLLMServer:
         """A ``VLLMEngine`` for this server with the job's keys and the model's limits."""
         from megarl.rollout.vllm_client import VLLMEngine
 
-        kw.setdefault("api_key", self.keys.api_key)
-        kw.setdefault("admin_key", self.keys.admin_key)
-        kw.setdefault("vocab_size", self.vocab_size)
-        kw.setdefault("max_model_len", self.cfg.max_model_len)
-        kw.setdefault("reference_weights_dir", self.cfg.model_dir)
-        return VLLMEngine(self.url, self.cfg.served_model_name, **kw)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the server's process group at once (what a crashed node looks like to clients)."""
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+        return VLLMEngine(self.url, self.cfg.served_model_name, **self._client_defaults(kw, self.cfg.max_model_len))
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate forwarder and server (SIGTERM to the process group, SIGKILL after ``timeout_s``)."""
-        for p in (self.proxy_proc, self.proc):
-            if p is None or p.poll() is not None:
-                continue
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-            except ProcessLookupError:
-                pass
+        self._terminate(self.proxy_proc, timeout_s)
+        self._terminate(self.proc, timeout_s)
         if self.proxy_proc is not None and self.proxy_proc.stdout is not None:
             self.proxy_proc.stdout.close()
-
-    def __enter__(self) -> "VLLMServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def launch_vllm(cfg: VLLMServerConfig, keys: Optional[RolloutKeys] = None) -> VLLMServer:
@@ -251,18 +276,13 @@ class SGLangServerConfig:
     command_prefix: list[str] = field(default_factory=list)
 
 
-class SGLangServer:
+class SGLangServer(_ServerProcess):
     """A running SGLang server. Use ``launch_sglang`` to make one."""
 
+    kind = "sglang"
+
     def __init__(self, cfg: SGLangServerConfig, keys: RolloutKeys):
-        self.cfg, self.keys = cfg, keys
-        self.port = cfg.port or free_port(cfg.host)
-        self.work_dir = Path(cfg.work_dir or Path(cfg.model_dir).parent / f"sglang-{self.port}")
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.work_dir / "server.log"
-        self.proc: Optional[subprocess.Popen] = None
-        cfg_json = json.loads((Path(cfg.model_dir) / "config.json").read_text())
-        self.vocab_size = int(cfg_json["vocab_size"])
+        super().__init__(cfg, keys, host=cfg.host)
 
     @property
     def url(self) -> str:
@@ -308,35 +328,11 @@ class SGLangServer:
         """An ``SGLangEngine`` for this server with the job's keys and the model's limits."""
         from megarl.rollout.sglang_client import SGLangEngine
 
-        kw.setdefault("api_key", self.keys.api_key)
-        kw.setdefault("admin_key", self.keys.admin_key)
-        kw.setdefault("vocab_size", self.vocab_size)
-        kw.setdefault("max_model_len", self.cfg.context_length)
-        kw.setdefault("reference_weights_dir", self.cfg.model_dir)
-        return SGLangEngine(self.url, **kw)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the server's process group."""
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+        return SGLangEngine(self.url, **self._client_defaults(kw, self.cfg.context_length))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the process group, SIGKILL after ``timeout_s``."""
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-        except ProcessLookupError:
-            pass
+        self._terminate(self.proc, timeout_s)
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float, what: str) -> None:
