@@ -239,7 +239,7 @@ class Trainer:
         self.method = MethodInputs(cfg)
         self.ref = None
         if self.method.needs_ref:
-            self.ref = build_learner(cfg, self.hf, self.groups)
+            self.ref = build_learner(cfg, self.hf, self.groups, trainable=False)
             self.ref.load_hf(str(init_dir))
         # one objective for the whole run: stateful parts (EPPO's task entropies, ...) accumulate
         # across steps and travel with the checkpoints
