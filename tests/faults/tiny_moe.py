@@ -24,6 +24,25 @@ def make_moe_dir(out: Path, experts: int = 8, topk: int = 2, layers: int = 2, se
                          bos_token_id=2, eos_token_id=1, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out)
+    save_char_tokenizer(Path(out))
+    return Path(out)
+
+
+def save_char_tokenizer(out: Path) -> Path:
+    """The char tokenizer (megarl.data.tokenizer.CharTokenizer over ALPHABET) as a HF fast
+    tokenizer with the same ids, so ``megarl proxy prune`` can tokenize calibration text."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from megarl.data.tokenizer import CharTokenizer
+
+    ct = CharTokenizer(ALPHABET)
+    vocab = {"<pad>": ct.pad_id, "<eos>": ct.eos_id, "<bos>": ct.bos_id}
+    vocab.update({c: ct.encode(c, bos=False)[0] for c in ALPHABET})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", bos_token="<bos>",
+                            pad_token="<pad>").save_pretrained(out)
     return Path(out)
 
 

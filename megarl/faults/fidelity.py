@@ -1,0 +1,190 @@
+"""Fidelity of a proxy run to the original run: per-curve agreement, events, cost; markdown + PNG.
+
+Inputs are two run directories of ``megarl train`` (their ``metrics.jsonl``). For every curve
+(loss, reward, grad norm, entropy, logprob gaps, router imbalance) over the steps both runs logged
+a finite value: Pearson correlation, mean and max absolute difference, and the relative divergence
+``mean |proxy - original| / mean |original|``. Fault events are matched by (step, type).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from megarl.trainer.metrics import read_metrics
+
+# (metric key, label). ``router/imbalance`` is derived: the mean over MoE layers of max-load x E.
+CURVES: tuple[tuple[str, str], ...] = (
+    ("train/loss", "loss"),
+    ("reward/mean", "reward (mean)"),
+    ("train/grad_norm", "grad norm"),
+    ("train/entropy", "entropy (nats/token)"),
+    ("train/train_rollout_logprob_gap", "train vs rollout logprob gap"),
+    ("rollout/logprob_gap_old", "learner vs engine logprob gap"),
+    ("router/imbalance", "router load imbalance (max/mean, layer mean)"),
+    ("router/load_entropy", "router load entropy (normalised, layer mean)"),
+)
+
+
+def _layer_mean(rec: dict, suffix: str) -> float | None:
+    vals = [v for k, v in rec.items() if k.startswith("router/layer") and k.endswith(suffix) and isinstance(v, float)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def curve(recs: list[dict], key: str) -> dict[int, float]:
+    """{step: value} of ``key`` over the training steps (step >= 1) with a finite value."""
+    out = {}
+    for r in recs:
+        s = r.get("step", 0)
+        if s < 1:
+            continue
+        v = _layer_mean(r, "/" + key.split("/", 1)[1]) if key.startswith("router/") and "layer" not in key \
+            else r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            out[int(s)] = float(v)
+    return out
+
+
+def pearson(a: list[float], b: list[float]) -> float | None:
+    """Pearson correlation; None with fewer than 3 points or a constant series."""
+    n = len(a)
+    if n < 3:
+        return None
+    ma, mb = sum(a) / n, sum(b) / n
+    va = sum((x - ma) ** 2 for x in a)
+    vb = sum((y - mb) ** 2 for y in b)
+    if va <= 0 or vb <= 0:
+        return None
+    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / math.sqrt(va * vb)
+
+
+def compare_curves(orig: list[dict], proxy: list[dict]) -> list[dict]:
+    """One row per curve present in both runs: steps, r, mean/max |diff|, relative divergence."""
+    rows = []
+    for key, label in CURVES:
+        a, b = curve(orig, key), curve(proxy, key)
+        steps = sorted(set(a) & set(b))
+        if not steps:
+            continue
+        xa, xb = [a[s] for s in steps], [b[s] for s in steps]
+        diffs = [abs(x - y) for x, y in zip(xa, xb)]
+        scale = sum(abs(x) for x in xa) / len(xa)
+        rows.append({"key": key, "label": label, "steps": steps, "original": xa, "proxy": xb,
+                     "pearson_r": pearson(xa, xb), "mean_abs_diff": sum(diffs) / len(diffs),
+                     "max_abs_diff": max(diffs),
+                     "relative_divergence": (sum(diffs) / len(diffs)) / scale if scale > 0 else None})
+    return rows
+
+
+def events_of(recs: list[dict]) -> list[tuple[int, str]]:
+    """(step, type) of every fault event of a run, in order."""
+    return [(int(e["step"]), e["type"]) for r in recs for e in (r.get("events") or [])]
+
+
+def run_cost(recs: list[dict]) -> dict:
+    """Mean step / train time over the training steps of a run."""
+    st = [r["time/step"] for r in recs if r.get("step", 0) >= 1 and isinstance(r.get("time/step"), (int, float))]
+    tr = [r["time/train"] for r in recs if r.get("step", 0) >= 1 and isinstance(r.get("time/train"), (int, float))]
+    return {"steps": len(st), "step_time_mean_s": sum(st) / len(st) if st else None,
+            "train_time_mean_s": sum(tr) / len(tr) if tr else None}
+
+
+def plot_fidelity(rows: list[dict], out_png: Path) -> Path:
+    """Per curve: the two runs over steps (left) and proxy vs original with the y = x line (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(len(rows), 1)
+    fig, axes = plt.subplots(n, 2, figsize=(9, 2.3 * n), squeeze=False,
+                             gridspec_kw={"width_ratios": [2.2, 1]})
+    for i, row in enumerate(rows):
+        ax, sc = axes[i]
+        ax.plot(row["steps"], row["original"], marker="o", ms=3, label="original", color="#1f77b4")
+        ax.plot(row["steps"], row["proxy"], marker="s", ms=3, label="proxy", color="#d62728")
+        ax.fill_between(row["steps"], row["original"], row["proxy"], color="#d62728", alpha=0.12)
+        ax.set_title(row["label"], fontsize=9)
+        ax.tick_params(labelsize=7)
+        if i == 0:
+            ax.legend(fontsize=7)
+        if i == n - 1:
+            ax.set_xlabel("step", fontsize=8)
+        sc.scatter(row["original"], row["proxy"], s=10, color="#555555")
+        lo = min(row["original"] + row["proxy"])
+        hi = max(row["original"] + row["proxy"])
+        sc.plot([lo, hi], [lo, hi], color="#999999", lw=0.8)
+        r = row["pearson_r"]
+        rd = row["relative_divergence"]
+        sc.set_title(f"r={'n/a' if r is None else f'{r:.3f}'}  rel.div={'n/a' if rd is None else f'{rd:.3f}'}",
+                     fontsize=8)
+        sc.tick_params(labelsize=7)
+        if i == n - 1:
+            sc.set_xlabel("original", fontsize=8)
+        sc.set_ylabel("proxy", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return out_png
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x))
+
+
+def write_report(orig_dir: str | os.PathLike, proxy_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                 extra: dict | None = None) -> dict:
+    """Write ``out_dir/fidelity.md``, ``fidelity.png`` and ``fidelity.json``; returns the report.
+    ``extra``: run facts to include (models, wall time, peak memory: see megarl.proxy.compare)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ro, rp = read_metrics(orig_dir), read_metrics(proxy_dir)
+    if not any(r.get("step", 0) >= 1 for r in ro) or not any(r.get("step", 0) >= 1 for r in rp):
+        raise ValueError(f"no training steps in {orig_dir}/metrics.jsonl or {proxy_dir}/metrics.jsonl")
+    rows = compare_curves(ro, rp)
+    eo, ep = events_of(ro), events_of(rp)
+    rep = {"curves": [{k: v for k, v in r.items() if k not in ("original", "proxy")} for r in rows],
+           "series": {r["key"]: {"steps": r["steps"], "original": r["original"], "proxy": r["proxy"]} for r in rows},
+           "events": {"original": eo, "proxy": ep, "same": eo == ep,
+                      "same_types_per_step": _types_by_step(eo) == _types_by_step(ep)},
+           "cost": {"original": run_cost(ro), "proxy": run_cost(rp)}, "runs": extra or {}}
+    png = plot_fidelity(rows, out / "fidelity.png")
+    lines = ["# Proxy fidelity report", ""]
+    runs = extra or {}
+    if runs:
+        lines += ["| | original | proxy |", "|---|---|---|"]
+        for k in sorted({k for v in runs.values() if isinstance(v, dict) for k in v}):
+            lines.append(f"| {k} | {_fmt(runs.get('original', {}).get(k))} | {_fmt(runs.get('proxy', {}).get(k))} |")
+        lines.append("")
+    lines += ["## Training curves", "",
+              "| curve | steps | Pearson r | mean abs diff | max abs diff | relative divergence |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {len(r['steps'])} | {_fmt(r['pearson_r'])} | {_fmt(r['mean_abs_diff'])} | "
+                     f"{_fmt(r['max_abs_diff'])} | {_fmt(r['relative_divergence'])} |")
+    lines += ["", ("relative divergence = mean |proxy - original| / mean |original|; r = n/a for fewer than 3 "
+                   "finite points or a constant curve."), "", f"![fidelity]({png.name})", "", "## Fault events", "",
+              "| step | original | proxy |", "|---|---|---|"]
+    bo, bp = _types_by_step(eo), _types_by_step(ep)
+    for s in sorted(set(bo) | set(bp)):
+        lines.append(f"| {s} | {', '.join(bo.get(s, [])) or '-'} | {', '.join(bp.get(s, [])) or '-'} |")
+    if not bo and not bp:
+        lines.append("| - | none | none |")
+    lines += ["", f"Same event types at the same steps: **{'yes' if rep['events']['same_types_per_step'] else 'no'}**",
+              "", "## Cost per step", "", "| | original | proxy |", "|---|---|---|"]
+    for k in ("step_time_mean_s", "train_time_mean_s"):
+        lines.append(f"| {k} | {_fmt(rep['cost']['original'][k])} | {_fmt(rep['cost']['proxy'][k])} |")
+    (out / "fidelity.md").write_text("\n".join(lines) + "\n")
+    (out / "fidelity.json").write_text(json.dumps(rep, indent=1))
+    return rep
+
+
+def _types_by_step(ev: list[tuple[int, str]]) -> dict[int, list[str]]:
+    d: dict[int, list[str]] = {}
+    for s, t in ev:
+        d.setdefault(s, [])
+        if t not in d[s]:
+            d[s].append(t)
+    return {s: sorted(v) for s, v in d.items()}

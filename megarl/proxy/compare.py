@@ -1,0 +1,146 @@
+"""``megarl proxy compare``: one recipe on the original and on the proxy, and a fidelity report.
+
+    megarl proxy compare --config RECIPE.yaml --original HF_DIR --proxy HF_DIR --steps N --out DIR \\
+        [--set section.key=value ...]
+
+Each run is ``megarl train RECIPE model.hf_dir=<dir> logging.run_dir=DIR/<name> schedule.steps=N
+checkpoint.resume=never`` plus the ``--set`` overrides (both runs get the same ones, including any
+``faults.inject``), in its own process, one after the other; its output goes to ``DIR/<name>.log``,
+its peak memory (max RSS of the process) and wall time into the report. Then
+megarl.faults.fidelity writes ``DIR/fidelity.md``, ``fidelity.png`` and ``fidelity.json``.
+
+Checked before any run: the recipe loads with the overrides, both directories are HF checkpoints,
+and the proxy has the original's backbone (vocabulary, layers, hidden size, heads; only the routed
+experts may differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megarl.faults.dump import DumpError, check_compatible, model_shape
+
+
+class CompareError(ValueError):
+    """Bad input to ``megarl proxy compare`` (named), found before any run starts."""
+
+
+def _count_params(hf_dir: str) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 - safe_open is not iterable
+                shape = fh.get_slice(k).get_shape()
+                p = 1
+                for s in shape:
+                    p *= int(s)
+                n += p
+    return n
+
+
+def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: list[str]) -> dict:
+    """Validate everything ``run_compare`` needs; returns both models' shapes."""
+    from megarl.trainer.config import ConfigError, load_config
+
+    if steps < 1:
+        raise CompareError(f"--steps {steps}: must be >= 1")
+    try:
+        load_config(config, [f"model.hf_dir={original}", f"schedule.steps={steps}", *overrides])
+    except ConfigError as e:
+        raise CompareError(f"--config {config}: {e}") from None
+    shapes = {}
+    for name, d in (("original", original), ("proxy", proxy)):
+        if not (Path(d) / "config.json").is_file():
+            raise CompareError(f"--{name} {d}: no config.json (not a HF checkpoint directory)")
+        if not list(Path(d).glob("*.safetensors")):
+            raise CompareError(f"--{name} {d}: no *.safetensors weights")
+        shapes[name] = model_shape(json.loads((Path(d) / "config.json").read_text()))
+    try:
+        check_compatible(shapes["original"], json.loads((Path(proxy) / "config.json").read_text()), proxy)
+    except DumpError as e:
+        raise CompareError(f"--proxy is not a proxy of --original: {e}") from None
+    return shapes
+
+
+def run_training(config: str, hf_dir: str, run_dir: Path, steps: int, overrides: list[str], log: Path) -> dict:
+    """One ``megarl train`` process; returns its exit code, wall time and peak RSS (MiB)."""
+    cmd = [sys.executable, "-m", "megarl.cli", "train", config, f"model.hf_dir={hf_dir}",
+           f"logging.run_dir={run_dir}", f"schedule.steps={steps}", "checkpoint.resume=never", *overrides]
+    t0 = time.time()
+    with open(log, "w") as fh:
+        fh.write(" ".join(cmd) + "\n")
+        fh.flush()
+        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ))
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    return {"exit_code": p.returncode, "wall_s": round(time.time() - t0, 2),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+
+
+def run_compare(config: str, original: str, proxy: str, steps: int, out: str,
+                overrides: list[str] | None = None) -> dict:
+    """Both runs, then the fidelity report; returns the report (megarl.faults.fidelity)."""
+    from megarl.faults.fidelity import write_report
+
+    overrides = list(overrides or [])
+    shapes = check_inputs(config, original, proxy, steps, overrides)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for name, d in (("original", original), ("proxy", proxy)):
+        print(f"megarl proxy compare: training the {name} ({d}) for {steps} steps; log {out_dir / (name + '.log')}",
+              flush=True)
+        r = run_training(config, d, out_dir / name, steps, overrides, out_dir / f"{name}.log")
+        if r["exit_code"] != 0:
+            tail = (out_dir / f"{name}.log").read_text()[-2000:]
+            raise RuntimeError(f"the {name} run failed (exit {r['exit_code']}); see {out_dir / (name + '.log')}:\n"
+                               f"{tail}")
+        r.update(model=d, routed_experts=shapes[name]["num_experts"], top_k=shapes[name]["num_experts_per_tok"],
+                 params=_count_params(d))
+        runs[name] = r
+    runs["original"]["params_ratio"] = 1.0
+    runs["proxy"]["params_ratio"] = round(runs["proxy"]["params"] / max(runs["original"]["params"], 1), 4)
+    rep = write_report(out_dir / "original", out_dir / "proxy", out_dir, extra=runs)
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run ``run_compare``; exit 2 on bad input, 1 on a failed run."""
+    ap = argparse.ArgumentParser(prog="megarl proxy compare",
+                                 description="Train the same recipe on the original model and on a proxy and write "
+                                             "a fidelity report (markdown + PNG) of their curves and fault events.")
+    ap.add_argument("--config", required=True, help="the recipe (a megarl train YAML)")
+    ap.add_argument("--original", required=True, help="HF checkpoint of the original model")
+    ap.add_argument("--proxy", required=True, help="HF checkpoint of the proxy (megarl proxy prune --out)")
+    ap.add_argument("--steps", required=True, type=int, help="training steps of each run")
+    ap.add_argument("--out", required=True, help="output directory (runs, logs, fidelity.md/png/json)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for both runs (repeatable), e.g. --set 'faults.dump_on=[nonfinite]'")
+    a = ap.parse_args(argv)
+    try:
+        rep = run_compare(a.config, a.original, a.proxy, a.steps, a.out, a.overrides)
+    except CompareError as e:
+        print(f"megarl proxy compare: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"megarl proxy compare: {e}", file=sys.stderr)
+        return 1
+    for c in rep["curves"]:
+        r = c["pearson_r"]
+        print(f"  {c['label']:<46} r={'n/a' if r is None else f'{r:+.3f}'}  mean|diff|={c['mean_abs_diff']:.4g}")
+    ev = rep["events"]
+    print(f"  fault events: original {ev['original'] or 'none'}; proxy {ev['proxy'] or 'none'}")
+    print(f"report: {Path(a.out) / 'fidelity.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

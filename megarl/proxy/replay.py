@@ -1,0 +1,196 @@
+"""``megarl proxy replay DUMP [--model HF_DIR]``: run a dumped trainer step again and judge it.
+
+The step's optimizer steps (``learner.train_step`` on the exact dumped batches, micro-batch counts,
+normalisers, objective state and learning rates) run on the Megatron learner holding ``--model``:
+the dump's own pre-step weights by default, or a proxy pruned from them (fewer routed experts,
+everything else the same shape). The step's injections are applied again (``--no-inject``: not),
+and the same detectors judge the result against the run's baselines as they were before the step.
+
+Compatibility is checked before any work (vocabulary, layers, hidden size, heads, head dim, dense
+vs MoE; recorded routes need the same experts). On the dumped model, with the dump's thread count
+and layout, the first optimizer step's loss and grad norm equal the recorded ones bit for bit;
+later optimizer steps of the same trainer step start from a fresh Adam state (the dump holds
+weights, not optimizer moments), so only their losses before the first update are comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from megarl.faults.dump import DumpError, check_compatible, default_weights, read_dump
+
+
+def _num(x) -> float:
+    """A recorded metric (float, or 'nan'/'inf' strings from dump.json) as a float."""
+    return float(x) if x is not None else float("nan")
+
+
+def same_value(a: float, b: float) -> bool:
+    """Bitwise-equal floats, NaN equal to NaN."""
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def check_dump_and_model(dump_dir: str, model_dir: str | None) -> tuple[dict, list[dict], dict, str, dict, list[str]]:
+    """Read the dump and the model config and check they fit; no process group, no model yet."""
+    from megarl.learner.model import load_hf_config
+
+    meta, batches, state = read_dump(dump_dir)
+    model = model_dir or default_weights(dump_dir, meta)
+    if model is None:
+        raise DumpError(f"dump {dump_dir} holds no weights; give --model (an HF checkpoint of the weights "
+                        f"before step {meta['step']}, e.g. converted from {meta.get('checkpoint_before')})")
+    if not (Path(model) / "config.json").is_file():
+        raise DumpError(f"--model {model}: no config.json (not a HF checkpoint directory)")
+    hf = load_hf_config(model)
+    uses_routes = any(b["batch"].routed_experts is not None for b in batches)
+    notes = check_compatible(meta["model"], hf, model, uses_routes)
+    vocab = int(hf["vocab_size"])
+    for i, b in enumerate(batches):
+        top = int(b["batch"].tokens.max()) if b["batch"].num_tokens else 0
+        if top >= vocab:
+            raise DumpError(f"dump batch {i} holds token id {top} >= vocab_size {vocab} of {model}")
+    return meta, batches, state, model, hf, notes
+
+
+def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True) -> dict:
+    """Replay the dump's optimizer steps on ``model_dir`` (default: the dump's weights); returns
+    the report (recorded vs replayed metrics per optimizer step, events of both)."""
+    from megarl.faults.config import DetectorConfig
+    from megarl.faults.detectors import DetectorSuite, router_load_stats
+    from megarl.faults.guard import NonFiniteGuard
+    from megarl.faults.injection import Injector, injection_from_dict
+    from megarl.faults.router_stats import RouterLoadCounter
+    from megarl.learner.parallel import ParallelLayout, initialize_parallel
+    from megarl.objectives.rl_objective import build_objective
+    from megarl.trainer.config import from_dict
+    from megarl.trainer.policy import build_learner
+
+    meta, batches, state, model, hf, notes = check_dump_and_model(dump_dir, model_dir)
+    step = int(meta["step"])
+    torch.set_num_threads(int(meta.get("torch_threads") or torch.get_num_threads()))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    lay = meta["layout"]
+    if world == lay["world_size"]:
+        layout = ParallelLayout(tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], cp=lay["cp"],
+                                sequence_parallel=lay["sequence_parallel"], expert_tp=lay["expert_tp"])
+    else:
+        layout = ParallelLayout()
+        notes.append(f"the dump ran on {lay['world_size']} rank(s) (tp={lay['tp']}, pp={lay['pp']}, ep={lay['ep']}); "
+                     f"this replay on {world}: comparable numbers, not bit-exact ones")
+    cfg = from_dict(meta["run_config"])
+    groups = initialize_parallel(layout, seed=cfg.model.seed)
+    learner = build_learner(cfg, hf, groups)
+    learner.load_hf(model)
+    learner.step = int(state["learner_step"])
+    objective = build_objective(cfg.objective)
+    objective.load_state_dict(state["objective_state"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+
+    dcfg = DetectorConfig(**meta["run_config"]["faults"]["detectors"])
+    suite = DetectorSuite(dcfg)
+    if state.get("detectors"):
+        suite.load_state_dict(state["detectors"])
+    guard = NonFiniteGuard(learner).install() if dcfg.skip_nonfinite else None
+    specs = [injection_from_dict(d, "dump injections") for d in meta.get("injections", [])] if inject else []
+    injector = Injector(learner.model, [s for s in specs if s.kind != "poison"], groups.device.type,
+                        learner.spec.vocab_size)
+    spec = learner.spec
+    router = RouterLoadCounter(learner.model, spec.moe_layers, spec.num_experts) if spec.is_moe else None
+    if router is not None:
+        router.start()
+    replayed = []
+    for i, b in enumerate(batches):
+        recorded_lr = (meta["optimizer_steps"][i] or {}).get("lr") if i < len(meta["optimizer_steps"]) else None
+        if recorded_lr is not None:
+            for g in learner.optimizer.param_groups:
+                g["lr"] = float(recorded_lr)
+        injector.arm(step)
+        try:
+            m = learner.train_step(b["batch"], objective, b["num_micro_batches"], b["normalisers"])
+        finally:
+            injector.disarm()
+        replayed.append(m)
+    if guard is not None:
+        guard.uninstall()
+    rec: dict = {f"train/{k}": sum(m[k] for m in replayed) / len(replayed) for k in replayed[-1]}
+    lp = [(b["batch"].old_logprobs, b["batch"].rollout_logprobs, b["batch"].loss_mask.bool()) for b in batches]
+    if all(o is not None and r is not None for o, r, _ in lp):
+        rec["rollout/logprob_gap_old"] = float(torch.cat([(o[m] - r[m]).abs() for o, r, m in lp]).mean())
+    counts = None
+    if router is not None:
+        router.stop()
+        counts = router.collect()
+        st = router_load_stats(counts)
+        for i, layer in enumerate(spec.moe_layers):
+            rec[f"router/layer{layer}/imbalance"] = float(st["imbalance"][i])
+            rec[f"router/layer{layer}/load_entropy"] = float(st["entropy"][i])
+    events = suite.check(step, rec, counts, spec.moe_layers)
+    opt = []
+    for i, m in enumerate(replayed):
+        r = meta["optimizer_steps"][i] if i < len(meta["optimizer_steps"]) else {}
+        row = {"recorded": {k: _num(r.get(k)) for k in ("loss", "grad_norm")},
+               "replayed": {k: float(m[k]) for k in ("loss", "grad_norm")}}
+        row["exact"] = all(same_value(row["recorded"][k], row["replayed"][k]) for k in ("loss", "grad_norm"))
+        opt.append(row)
+    rec_types = sorted({e["type"] for e in meta.get("events", [])})
+    got_types = sorted({e["type"] for e in events})
+    return {"dump": str(dump_dir), "step": step, "model": model, "notes": notes,
+            "injections": [s.kind for s in specs], "optimizer_steps": opt, "record": rec,
+            "events": events, "recorded_events": meta.get("events", []),
+            "same_event_types": rec_types == got_types,
+            "recorded_model": meta["model"]}
+
+
+def format_report(rep: dict) -> str:
+    """The replay report as text lines (what the CLI prints)."""
+    lines = [f"replay of step {rep['step']} from {rep['dump']} on {rep['model']}"]
+    lines += [f"  note: {n}" for n in rep["notes"]]
+    if rep["injections"]:
+        lines.append(f"  injections re-applied: {', '.join(rep['injections'])}")
+    for i, o in enumerate(rep["optimizer_steps"]):
+        r, p = o["recorded"], o["replayed"]
+        lines.append(f"  optimizer step {i + 1}: loss {p['loss']!r} (recorded {r['loss']!r})  grad_norm "
+                     f"{p['grad_norm']!r} (recorded {r['grad_norm']!r})  {'EXACT' if o['exact'] else 'differs'}")
+    rec = sorted({e["type"] for e in rep["recorded_events"]})
+    got = sorted({e["type"] for e in rep["events"]})
+    lines.append(f"  events recorded: {', '.join(rec) or 'none'}; replayed: {', '.join(got) or 'none'}"
+                 f"  ({'same types' if rep['same_event_types'] else 'DIFFERENT types'})")
+    for e in rep["events"]:
+        lines.append(f"    {e['type']}: {json.dumps(e['detail'], default=str)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``megarl proxy replay DUMP [--model HF_DIR] [--no-inject] [--out report.json]``."""
+    ap = argparse.ArgumentParser(prog="megarl proxy replay",
+                                 description="Re-run a dumped trainer step (run_dir/dumps/step_N) on the original "
+                                             "weights or a proxy, and report loss, grad norm and the detectors.")
+    ap.add_argument("dump", help="a step dump directory (run_dir/dumps/step_NNNNNN)")
+    ap.add_argument("--model", default=None, help="HF checkpoint to replay on (default: the dump's own "
+                                                  "pre-step weights); a proxy pruned from them works too")
+    ap.add_argument("--no-inject", action="store_true", help="do not re-apply the step's injected faults")
+    ap.add_argument("--out", default=None, help="write the report as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        check_dump_and_model(args.dump, args.model)
+    except DumpError as e:
+        print(f"megarl proxy replay: {e}", file=sys.stderr)
+        return 2
+    rep = replay_dump(args.dump, args.model, inject=not args.no_inject)
+    print(format_report(rep), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rep, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
