@@ -8,7 +8,7 @@ dimension, correct when >= 1). LLM-judged shapers (CEDAR's coverage and directio
 preference, evolver and new-criterion scores) call an ``LLMJudge`` over the run's own rollout engine.
 
 Quickstart stand-ins (the synthetic digit tasks have no documents, evidence or reference answers):
-the reward floor's source text is the prompt; CEDAR's evidence items are the prompt's distinct
+the reward floor's source text is the prompt (words: alphanumeric runs); CEDAR's evidence items are the prompt's distinct
 digits; CARE's anchor response y* is the ground-truth answer.
 """
 
@@ -69,6 +69,12 @@ class ShapedRewards:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def words(text: str) -> str:
+    """``text`` with every run of non-alphanumeric characters turned into one space (the reward
+    floor compares words: ``"R 407="`` -> ``"R 407"``, so copying the operand is a copy)."""
+    return " ".join(re.findall(r"\w+", text))
+
+
 def evidence_items(prompt: str) -> list[str]:
     """Quickstart stand-in for CEDAR's evidence: the prompt's distinct digits, in order."""
     return list(dict.fromkeys(re.findall(r"\d", prompt)))
@@ -114,8 +120,8 @@ class RewardShaping:
 
     # ------------------------------------------------------------------------- one per shaper
     def _reward_floor(self, r: RoundRewards, step: int) -> ShapedRewards:
-        sources = [p for p in r.prompts for _ in range(r.n)]
-        shaped, copied = self.shaper(r.scalar, r.texts, sources)
+        sources = [words(p) for p in r.prompts for _ in range(r.n)]
+        shaped, copied = self.shaper(r.scalar, [words(t) for t in r.texts], sources)
         return ShapedRewards(shaped, {"shaping/reward_floor/copied_frac": float(copied.float().mean())})
 
     def _amrp(self, r: RoundRewards, step: int) -> ShapedRewards:

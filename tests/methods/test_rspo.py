@@ -86,4 +86,4 @@ def test_process_from_token_rewards_and_errors_are_named():
 
 def test_example_loads():
     assert load_example("rspo")["advantage"] == {"estimator": "rspo", "base": "grpo", "reading": "A",
-                                                 "outcome": "outcome", "process": "process"}
+                                                 "outcome": "correct", "process": "format"}
