@@ -51,8 +51,10 @@ class DetectorConfig:
 
     Spikes: an exponential moving average of the value and of its squared deviation
     (``spike_beta``) gives a baseline mean and std; after ``spike_warmup`` steps a value with
-    z = (x - mean) / max(std, spike_min_rel_std * |mean|) above ``spike_z`` is a spike. Spike values
-    do not update the baseline.
+    z = (x - mean) / max(std, spike_min_rel_std * |mean|, spike_min_abs_std) above ``spike_z`` is a
+    spike (the absolute floor keeps float noise of a loss that is ~0 by construction, e.g. PPO at
+    ratio 1 with group-normalised advantages, from counting as spikes). Spike values do not update
+    the baseline.
     """
 
     skip_nonfinite: bool = True
@@ -60,6 +62,7 @@ class DetectorConfig:
     spike_beta: float = 0.8
     spike_warmup: int = 3
     spike_min_rel_std: float = 0.05
+    spike_min_abs_std: float = 1.0e-4
     logprob_gap_max: float = 0.5
     entropy_min: float = 0.0
     entropy_drop_frac: float = 0.1

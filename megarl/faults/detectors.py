@@ -36,8 +36,10 @@ class SpikeDetector:
     not update the baseline, so a run of spikes keeps being measured against the healthy steps.
     """
 
-    def __init__(self, z: float, beta: float, warmup: int, min_rel_std: float, two_sided: bool = False):
+    def __init__(self, z: float, beta: float, warmup: int, min_rel_std: float, two_sided: bool = False,
+                 min_abs_std: float = 0.0):
         self.z, self.beta, self.warmup, self.min_rel_std, self.two_sided = z, beta, warmup, min_rel_std, two_sided
+        self.min_abs_std = min_abs_std
         self.mean = 0.0
         self.var = 0.0
         self.count = 0
@@ -48,7 +50,7 @@ class SpikeDetector:
             return None  # the non-finite detector reports these
         hit = None
         if self.count >= self.warmup and self.z > 0:
-            std = max(math.sqrt(self.var), self.min_rel_std * abs(self.mean), 1e-12)
+            std = max(math.sqrt(self.var), self.min_rel_std * abs(self.mean), self.min_abs_std, 1e-12)
             dev = x - self.mean
             z = abs(dev) / std if self.two_sided else dev / std
             if z > self.z:
@@ -93,8 +95,9 @@ class DetectorSuite:
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
         self.loss = SpikeDetector(cfg.spike_z, cfg.spike_beta, cfg.spike_warmup, cfg.spike_min_rel_std,
-                                  two_sided=True)
-        self.grad_norm = SpikeDetector(cfg.spike_z, cfg.spike_beta, cfg.spike_warmup, cfg.spike_min_rel_std)
+                                  two_sided=True, min_abs_std=cfg.spike_min_abs_std)
+        self.grad_norm = SpikeDetector(cfg.spike_z, cfg.spike_beta, cfg.spike_warmup, cfg.spike_min_rel_std,
+                                       min_abs_std=cfg.spike_min_abs_std)
         self.entropy_baseline: float | None = None
 
     def check(self, step: int, rec: dict, router_counts: torch.Tensor | None = None,

@@ -117,3 +117,12 @@ def test_trainer_config_loads_the_faults_section():
         from_dict({**base, "faults": {"inject": [{"kind": "nan", "target": "decoder", "stepp": 3}]}})
     with pytest.raises(ConfigError, match="faults.inject\\[0\\].kind='nam'"):
         from_dict({**base, "faults": {"inject": [{"kind": "nam", "target": "decoder"}]}})
+
+
+def test_absolute_std_floor_ignores_float_noise_of_a_zero_loss():
+    cfg = DetectorConfig()  # spike_min_abs_std 1e-4
+    s = DetectorSuite(cfg)
+    for i, x in enumerate((-7e-9, -1.5e-8, 3e-9, -7e-9, 1e-8), 1):
+        assert s.check(i, {"train/loss": x}) == []
+    assert s.check(6, {"train/loss": -4.4e-7}) == []  # z = 40 against the noise, 0.004 against the floor
+    assert types(s.check(7, {"train/loss": 0.05})) == ["loss_spike"]
