@@ -1,0 +1,153 @@
+"""The trainer's method plumbing without a model: config validation of the method sections, which
+inputs each example needs, the batch inputs the trainer derives (single-turn steps, DASH
+checkpoints, reward dimensions), estimator state round trips, the reward-shaping mapping and the
+judge tokenizer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import yaml
+
+from megarl.batch import from_sequences
+from megarl.data.tokenizer import CharTokenizer
+from megarl.trainer.config import ConfigError, from_dict
+from megarl.trainer.method_inputs import MethodInputs, required_inputs, single_turn_spans
+from megarl.trainer.shaping import JudgeTokenizer, RewardShaping, RoundRewards, evidence_items, words
+from tests.methods.test_family2_trainer import QUICKSTART, spliced
+
+BASE = yaml.safe_load(QUICKSTART.read_text())
+
+
+def cfg_with(**sections) -> dict:
+    d = copy.deepcopy(BASE)
+    for k, v in sections.items():
+        d[k] = v if k in ("advantage", "objective") else {**d.get(k, {}), **v}
+    return d
+
+
+@pytest.mark.parametrize("section, msg", [
+    ({"reward": {"shaping": {"name": "amrp", "tau2": 1.0}}}, "reward.shaping.tau2"),
+    ({"reward": {"shaping": {"name": "nope"}}}, "reward.shaping.name='nope'; allowed"),
+    ({"reward": {"shaping": {"name": "amrp", "eta": "high"}}}, "reward.shaping.eta='high' must be a number"),
+    ({"reward": {"shaping": ["amrp"]}}, "reward.shaping"),
+    ({"reward": {"judge": {"timeout_s": 0}}}, "reward.judge.timeout_s=0"),
+    ({"credit": {"answer_pattern": "(unclosed"}}, "credit.answer_pattern"),
+    ({"credit": {"rrpo": {"anchors": 1}}, "advantage": {"estimator": "rrpo"}}, "credit.rrpo.anchors=1"),
+    ({"credit": {"rrpo": {"positive_prompt": "{gold} {prompt}"}}}, "credit.rrpo.positive_prompt"),
+    ({"credit": {"rrpo": {"head_stepz": 3}}}, "unknown key credit.rrpo.head_stepz"),
+])
+def test_bad_method_sections_name_the_key(section, msg):
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace("[", r"\[")):
+        from_dict(cfg_with(**section))
+
+
+@pytest.mark.parametrize("name, want", [
+    ("gepo", {"entropies"}), ("eppo", {"entropies"}), ("cokl", {"ref_logprobs"}), ("gigpo", {"steps"}),
+    ("pgpo", {"steps"}), ("dash", {"answer_checkpoints"}), ("rspo", {"reward_dims"}), ("rrpo", {"rrpo_scores"}),
+    ("core-grpo", {"ref_logprobs"}), ("core-dapo", set()), ("taco", set()),
+])
+def test_required_inputs_of_the_examples(name, want):
+    assert required_inputs(from_dict(spliced(name))) == want
+
+
+def _batch():
+    tok = CharTokenizer(BASE["model"]["alphabet"])
+    prompts = [tok.encode("R 123="), tok.encode("R 123="), tok.encode("R 45=")]
+    responses = [tok.encode("321 32", bos=False), tok.encode("9", bos=False), tok.encode("54", bos=False)]
+    b = from_sequences(prompts, responses, [0, 0, 1], rewards=torch.tensor([1.0, 0.0, 1.0]))
+    return tok, b
+
+
+def test_single_turn_steps_share_the_prompt_state_within_a_group():
+    tok, b = _batch()
+    mi = MethodInputs(from_dict(spliced("gigpo")))
+    mi.fill_batch(b, tok, ["321", "321", "54"], {"correct": [1.0, 0.0, 1.0]})
+    assert b.turn_spans == single_turn_spans(b)
+    assert b.turn_spans[0] == [(0, 7, "prompt"), (7, 13, "assistant")]
+    keys = b.extras["step_state_keys"]
+    assert keys.shape == (3, 1) and keys[0, 0] == keys[1, 0] != keys[2, 0]
+    adv = mi.advantages(b)
+    assert adv.shape == (b.num_tokens,) and bool((adv[b.loss_mask == 0] == 0).all())
+
+
+def test_dash_checkpoints_from_the_answer_pattern():
+    tok, b = _batch()
+    mi = MethodInputs(from_dict(spliced("dash")))
+    mi.fill_batch(b, tok, ["321", "321", "54"], {})
+    # "321 32": two digit runs; the first equals the answer and ends after response token 3
+    assert b.extras["dash_ends"][0].tolist() == [7 + 3, 7 + 6]
+    assert b.extras["dash_correct"][0].tolist() == [1.0, 0.0]
+    assert b.extras["dash_correct"][1].tolist()[0] == 0.0 and b.extras["dash_correct"][2].tolist()[0] == 1.0
+    mi.advantages(b)
+
+
+def test_rspo_gets_the_named_reward_dimensions():
+    tok, b = _batch()
+    mi = MethodInputs(from_dict(spliced("rspo")))
+    mi.fill_batch(b, tok, ["321"] * 3, {"correct": [1.0, 0.0, 1.0], "format": [0.0, 1.0, 1.0]})
+    assert b.reward_names == ["correct", "format"] and b.rewards.shape == (3, 2)
+    mi.advantages(b)
+
+
+def test_gepo_state_round_trip_and_mismatch_named():
+    _, b = _batch()
+    b.entropies = torch.rand(b.num_tokens)
+    mi = MethodInputs(from_dict(spliced("gepo")))
+    mi.advantages(b)
+    st = mi.state_dict()
+    assert st["estimator"]["mean"] is not None
+    other = MethodInputs(from_dict(spliced("gepo")))
+    other.load_state_dict(st)
+    assert other.estimator_state.state_dict() == mi.estimator_state.state_dict()
+    with pytest.raises(ValueError, match="advantage.estimator='grpo' has no state"):
+        MethodInputs(from_dict(spliced("core-dapo"))).load_state_dict(st)
+
+
+def _round(dims: dict[str, list[float]], weights: dict[str, float], texts, prompts, n=2):
+    d = {k: torch.tensor(v) for k, v in dims.items()}
+    scalar = sum(weights[k] * d[k] for k in d)
+    return RoundRewards(prompts, ["321"] * len(prompts), list(range(len(prompts))), texts, d, scalar, n)
+
+
+def test_reward_floor_on_words_of_the_prompt():
+    cfg = from_dict(cfg_with(reward={"shaping": {"name": "reward_floor", "floor": -1.0}}))
+    sh = RewardShaping(cfg, run=None)
+    r = _round({"correct": [0.0, 1.0]}, {"correct": 1.0}, ["123", "321"], ["R 123="])
+    out = sh.shape(r, step=1)
+    assert out.scalar.tolist() == [-1.0, 1.0]  # copying the operand is floored, the reversal is not
+    assert out.metrics["shaping/reward_floor/copied_frac"] == 0.5
+    assert words("R 123=") == "R 123"
+
+
+def test_amrp_and_rubric_dropout_use_the_reward_dimensions():
+    fns = [{"name": "correct", "kind": "exact_match"}, {"name": "format", "kind": "regex", "pattern": "^\\d+$"}]
+    dims = {"correct": [0.0, 1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0, 1.0]}
+    amrp = RewardShaping(from_dict(cfg_with(reward={"functions": fns, "shaping": {"name": "amrp"}})), run=None)
+    out = amrp.shape(_round(dims, {"correct": 1.0, "format": 1.0}, ["a"] * 4, ["R 1=", "R 2="]), step=1)
+    w = [out.metrics["shaping/amrp/w/correct"], out.metrics["shaping/amrp/w/format"]]
+    assert abs(sum(w) - 1) < 1e-9 and out.scalar.shape == (4,)
+    rd = RewardShaping(from_dict(cfg_with(reward={"functions": fns, "shaping": {"name": "rubric_dropout", "p": 0.5}})),
+                       run=None)
+    got = [rd.shape(_round(dims, {"correct": 1.0, "format": 1.0}, ["a"] * 4, ["R 1=", "R 2="]), step=s)
+           for s in range(1, 9)]
+    kept = [g.metrics["shaping/rubric_dropout/kept_frac"] for g in got]
+    assert min(kept) < 1.0 and all(k > 0 for k in kept)
+    for g in got:  # one mask per group: both samples of a group are scored against the same criteria
+        assert g.scalar.shape == (4,)
+
+
+def test_judged_shapers_need_a_judge():
+    with pytest.raises(ValueError, match="needs an LLM judge"):
+        RewardShaping(from_dict(cfg_with(reward={"shaping": {"name": "cedar"}})), run=None)
+
+
+def test_judge_tokenizer_drops_unknown_characters_and_keeps_the_tail():
+    tok = CharTokenizer("0123456789 ")
+    jt = JudgeTokenizer(tok, max_prompt_tokens=6)
+    ids = jt.encode("score: 0.75 for 123456789", add_special_tokens=False)
+    assert len(ids) == 6 and ids[0] == tok.bos_id
+    assert jt.decode(ids[1:]) == "56789"  # BOS + the last 5 tokens
+    assert evidence_items("R 4071=") == ["4", "0", "7", "1"]
