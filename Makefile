@@ -20,4 +20,4 @@ quickstart: setup
 	$(PY) -m megarl.cli train examples/quickstart.yaml
 
 bench: setup
-	$(PY) benchmarks/vocab_parallel_logprob.py
+	@set -e; for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b; done
