@@ -5,7 +5,8 @@
 
 Each run is ``megarl train RECIPE model.hf_dir=<dir> logging.run_dir=DIR/<name> schedule.steps=N
 checkpoint.resume=never`` plus the ``--set`` overrides (both runs get the same ones, including any
-``faults.inject``), in its own process, one after the other; its output goes to ``DIR/<name>.log``,
+``faults.inject``), in its own process, one after the other (``--parallel``: both at once); its
+output goes to ``DIR/<name>.log``,
 its peak memory (max RSS of the process) and wall time into the report. Then
 megarl.faults.fidelity writes ``DIR/fidelity.md``, ``fidelity.png`` and ``fidelity.json``.
 
@@ -17,6 +18,7 @@ experts may differ).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -70,42 +72,59 @@ def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: 
     return shapes
 
 
-def run_training(config: str, hf_dir: str, run_dir: Path, steps: int, overrides: list[str], log: Path) -> dict:
-    """One ``megarl train`` process; returns its exit code, wall time and peak RSS (MiB)."""
-    cmd = [sys.executable, "-m", "megarl.cli", "train", config, f"model.hf_dir={hf_dir}",
-           f"logging.run_dir={run_dir}", f"schedule.steps={steps}", "checkpoint.resume=never", *overrides]
-    t0 = time.time()
-    with open(log, "w") as fh:
-        fh.write(" ".join(cmd) + "\n")
-        fh.flush()
-        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ))
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
-    return {"exit_code": p.returncode, "wall_s": round(time.time() - t0, 2),
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+def _train_cmd(config: str, hf_dir: str, run_dir: Path, steps: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "megarl.cli", "train", config, f"model.hf_dir={hf_dir}",
+            f"logging.run_dir={run_dir}", f"schedule.steps={steps}", "checkpoint.resume=never", *overrides]
+
+
+def run_trainings(jobs: dict[str, list[str]], logs: dict[str, Path], parallel: bool = False) -> dict[str, dict]:
+    """Run ``megarl train`` commands (name -> argv), one after the other or all at once; returns
+    per name the exit code, wall time and peak RSS of the process (MiB)."""
+    out: dict[str, dict] = {}
+    pending = list(jobs.items())
+    while pending:
+        batch = pending if parallel else pending[:1]
+        pending = [] if parallel else pending[1:]
+        with contextlib.ExitStack() as stack:
+            procs = {}
+            for name, cmd in batch:
+                fh = stack.enter_context(open(logs[name], "w"))
+                fh.write(" ".join(cmd) + "\n")
+                fh.flush()
+                procs[name] = (subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ)),
+                               time.time())
+            for name, (p, t0) in procs.items():
+                _, status, usage = os.wait4(p.pid, 0)
+                p.returncode = os.waitstatus_to_exitcode(status)
+                out[name] = {"exit_code": p.returncode, "wall_s": round(time.time() - t0, 2),
+                             "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+    return out
 
 
 def run_compare(config: str, original: str, proxy: str, steps: int, out: str,
-                overrides: list[str] | None = None) -> dict:
-    """Both runs, then the fidelity report; returns the report (megarl.faults.fidelity)."""
+                overrides: list[str] | None = None, parallel: bool = False) -> dict:
+    """Both runs, then the fidelity report; returns the report (megarl.faults.fidelity).
+    ``parallel``: train both at once (faster with spare cores; time and memory figures then
+    include the contention)."""
     from megarl.faults.fidelity import write_report
 
     overrides = list(overrides or [])
     shapes = check_inputs(config, original, proxy, steps, overrides)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for name, d in (("original", original), ("proxy", proxy)):
+    models = {"original": original, "proxy": proxy}
+    for name, d in models.items():
         print(f"megarl proxy compare: training the {name} ({d}) for {steps} steps; log {out_dir / (name + '.log')}",
               flush=True)
-        r = run_training(config, d, out_dir / name, steps, overrides, out_dir / f"{name}.log")
+    runs = run_trainings({n: _train_cmd(config, d, out_dir / n, steps, overrides) for n, d in models.items()},
+                         {n: out_dir / f"{n}.log" for n in models}, parallel)
+    for name, r in runs.items():
         if r["exit_code"] != 0:
             tail = (out_dir / f"{name}.log").read_text()[-2000:]
             raise RuntimeError(f"the {name} run failed (exit {r['exit_code']}); see {out_dir / (name + '.log')}:\n"
                                f"{tail}")
-        r.update(model=d, routed_experts=shapes[name]["num_experts"], top_k=shapes[name]["num_experts_per_tok"],
-                 params=_count_params(d))
-        runs[name] = r
+        r.update(model=models[name], routed_experts=shapes[name]["num_experts"],
+                 top_k=shapes[name]["num_experts_per_tok"], params=_count_params(models[name]))
     runs["original"]["params_ratio"] = 1.0
     runs["proxy"]["params_ratio"] = round(runs["proxy"]["params"] / max(runs["original"]["params"], 1), 4)
     rep = write_report(out_dir / "original", out_dir / "proxy", out_dir, extra=runs)
@@ -124,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (runs, logs, fidelity.md/png/json)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for both runs (repeatable), e.g. --set 'faults.dump_on=[nonfinite]'")
+    ap.add_argument("--parallel", action="store_true",
+                    help="train both at once (needs spare cores; timings then include the contention)")
     a = ap.parse_args(argv)
     try:
-        rep = run_compare(a.config, a.original, a.proxy, a.steps, a.out, a.overrides)
+        rep = run_compare(a.config, a.original, a.proxy, a.steps, a.out, a.overrides, a.parallel)
     except CompareError as e:
         print(f"megarl proxy compare: error: {e}", file=sys.stderr)
         return 2

@@ -42,7 +42,12 @@ def compared(tmp_path_factory):
     from megarl.proxy.compare import run_compare
     from megarl.proxy.prune import prune_moe_checkpoint
 
+    from megarl.data.tasks import generate_task_files
+
     tmp = tmp_path_factory.mktemp("faults")
+    # written before the two runs start at once (each would generate them otherwise)
+    generate_task_files(train_path=str(tmp / "train.jsonl"), eval_path=str(tmp / "eval.jsonl"), task="reverse",
+                        digits=3, num_train=200, num_eval=8, seed=0)
     orig = make_moe_dir(tmp / "orig")
     prune_moe_checkpoint(str(orig), str(tmp / "proxy"), 4, CALIB)
     old = os.environ.get("MEGARL_NUM_THREADS")
@@ -50,7 +55,7 @@ def compared(tmp_path_factory):
     try:
         rep = run_compare(str(RECIPE), str(orig), str(tmp / "proxy"), 4, str(tmp / "cmp"),
                           [f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}", INJECT,
-                           "faults.dump_on=[nonfinite]", "faults.dump_steps=[1]"])
+                           "faults.dump_on=[nonfinite]", "faults.dump_steps=[1]"], parallel=True)
     finally:
         if old is None:
             os.environ.pop("MEGARL_NUM_THREADS")
