@@ -74,6 +74,12 @@ class RolloutConfig:
     max_new_tokens: int = 16
     max_concurrency: int = 64
     weights_dir: Optional[str] = None  # server engines: where exported weights go (default run_dir/weights)
+    launch: bool = False  # vllm: start one server on this node (vLLM venv) serving the initial policy
+    server_python: Optional[str] = None  # launch: the vLLM venv's python (default: .venv-vllm)
+    server_dtype: Literal["float32", "bfloat16"] = "float32"  # launch: the server's dtype
+    server_max_num_seqs: int = 16  # launch: vLLM --max-num-seqs
+    server_startup_timeout_s: float = 600.0  # launch: how long to wait for /health
+    server_args: list = field(default_factory=list)  # launch: extra vLLM command-line arguments
 
 
 @dataclass
@@ -472,8 +478,12 @@ def validate(cfg: TrainConfig) -> None:
         validate_faults(cfg.faults)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if r.engine != "embedded" and not r.urls:
-        raise ConfigError(f"rollout.engine={r.engine!r} needs rollout.urls (the servers' base URLs)")
+    if r.engine != "embedded" and not r.urls and not r.launch:
+        raise ConfigError(f"rollout.engine={r.engine!r} needs rollout.urls (the servers' base URLs) or "
+                          "rollout.launch=true")
+    if r.launch and (r.engine != "vllm" or r.urls):
+        raise ConfigError("rollout.launch=true starts one vLLM server: it needs rollout.engine='vllm' and no "
+                          "rollout.urls")
     if not cfg.data.train and not cfg.data.generate:
         raise ConfigError("data.train is empty: give a jsonl path/glob or data.generate")
     if not cfg.reward.functions:
