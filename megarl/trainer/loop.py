@@ -187,7 +187,10 @@ class Trainer:
             _log(f"megarl train: resumed from {ckpt} (step {start})")
         elif rank0 and self.metrics.path.exists():
             self.metrics.truncate_after(0)
-        self.engine = self._make_engine() if rank0 else None
+        from megarl.trainer.servers import make_on_rank0
+
+        launch_wait = cfg.rollout.server_startup_timeout_s if cfg.rollout.launch else None
+        self.engine = make_on_rank0(self._make_engine, launch_wait)
         self.loop = self._make_event_loop()
         self.shaping, self.rrpo = self._rank0_methods(method_state) if rank0 else (None, None)
         from megarl.faults.monitor import FaultMonitor
@@ -316,6 +319,12 @@ class Trainer:
 
             return EmbeddedEngine(hf_model_from_config(self.hf), eos_token_ids=[self.tok.eos_id],
                                   max_concurrency=r.max_concurrency, weight_version="init")
+        if r.launch:  # one vLLM server on this node, serving the initial policy (stopped at exit)
+            from megarl.trainer.servers import launch_vllm_for_run
+
+            self.server, engine = launch_vllm_for_run(self.cfg, self.run_dir / INIT_POLICY, self.run_dir,
+                                                      self.hf, _log)
+            return engine
         from megarl.rollout import make_engine
 
         return make_engine(r.urls, kind=r.engine)
