@@ -162,6 +162,17 @@ class RRPOConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """Multi-turn rollouts (megarl/trainer/multiturn.py). ``none``: one answer per sample. ``retry``:
+    a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``) as an observation
+    and another turn, up to ``max_turns``; the episode's outcome is its last answer's reward."""
+
+    name: Literal["none", "retry"] = "none"  # none: single-turn rollouts; retry: a wrong answer gets another turn
+    max_turns: int = 2  # answers per episode at most
+    feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
+
+
+@dataclass
 class CreditConfig:
     """Inputs the trainer derives for credit methods: DASH's answer commitments (``answer_pattern``,
     a regex whose first group is the committed answer) and RRPO's anchors and head."""
@@ -258,6 +269,7 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -516,6 +528,12 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e) if "reward.shaping" in str(e) else f"reward.shaping: {e}") from None
     _positive("reward.judge.timeout_s", cfg.reward.judge.timeout_s)
+    _positive("environment.max_turns", cfg.environment.max_turns)
+    try:
+        cfg.environment.feedback.format(prompt="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"environment.feedback={cfg.environment.feedback!r}: only {{prompt}} may be used "
+                          f"({e!r})") from None
     _positive("reward.judge.max_new_tokens", cfg.reward.judge.max_new_tokens)
     try:
         re.compile(cfg.credit.answer_pattern)

@@ -57,6 +57,8 @@ class Rollouts:
     responses: list[str]
     answers: list[str] = field(default_factory=list)  # ground truth per sample (DASH checkpoints)
     extras: dict[str, list[float]] = field(default_factory=dict)  # per-sample method inputs (rrpo_scores)
+    response_masks: list = field(default_factory=list)  # multi-turn: per sample [R] 1 on answer tokens
+    turn_spans: list = field(default_factory=list)  # multi-turn: per sample [(start, end, role)]
 
 
 def _log(msg: str) -> None:
@@ -312,6 +314,28 @@ class Trainer:
             metrics.update(m)
         return scalar, extras, metrics
 
+    def _play_episodes(self, rows: list[PromptRow], n: int, step: int, rnd: int):
+        """Rank 0, ``environment`` set: ``n`` multi-turn episodes per prompt through the engine
+        (megarl/trainer/multiturn.py); returns (prompt ids, per-prompt groups of episode samples)."""
+        import dataclasses
+
+        from megarl.trainer.multiturn import play_groups
+
+        env = self.cfg.environment
+        best = float(sum(f.weight for f in self.cfg.reward.functions if f.weight > 0)) or 1.0
+
+        def sampling(g: int, j: int):
+            sp = self._sampling_params(step, rnd, g)
+            return dataclasses.replace(sp, seed=(sp.seed * 31 + j) % (2 ** 31))
+
+        def score(text: str, g: int) -> float:
+            return float(self.rewards([text], [rows[g].answer]).scalar[0])
+
+        groups = self.loop.run_until_complete(play_groups(
+            self.engine, self.tok, [r.prompt for r in rows], n, sampling, score, best, env.max_turns, env.feedback,
+            int(self.hf.get("max_position_embeddings", 0)) or None))
+        return [self.tok.encode(r.prompt) for r in rows], groups
+
     def _make_engine(self):
         r = self.cfg.rollout
         if r.engine == "embedded":
@@ -425,16 +449,21 @@ class Trainer:
             uids = list(self.sampler.next_indices(need))
             rows = [self.train_ds.rows[i] for i in uids]
             t0 = time.time()
-            prompts, results = self._generate(rows, n, step, rnd)
+            multi_turn = cfg.environment.name != "none"
+            prompts, results = (self._play_episodes(rows, n, step, rnd) if multi_turn
+                                else self._generate(rows, n, step, rnd))
             stats["gen_time"] += time.time() - t0
             t0 = time.time()
-            answers, resp_ids, resp_lp, trunc, texts = [], [], [], [], []
+            answers, resp_ids, resp_lp, trunc, texts, masks, spans = [], [], [], [], [], [], []
             for row, res in zip(rows, results):
                 for s in res.samples:
                     resp_ids.append(list(s.token_ids))
                     resp_lp.append(list(s.logprobs))
-                    trunc.append(s.finish_reason == "length")
-                    texts.append(self.tok.decode(s.token_ids))
+                    trunc.append(s.truncated if multi_turn else s.finish_reason == "length")
+                    # an episode is scored on its last answer; its observations are not in the loss
+                    texts.append(s.text if multi_turn else self.tok.decode(s.token_ids))
+                    masks.append(s.loss_mask if multi_turn else None)
+                    spans.append(s.turn_spans if multi_turn else None)
                     answers.append(row.answer)
                     stats["gen_tokens"] += len(s.token_ids)
             rr = self.rewards(texts, answers)
@@ -464,6 +493,9 @@ class Trainer:
                 out.rewards += vals.tolist()
                 out.responses += texts[sl]
                 out.answers += [row.answer] * n
+                if multi_turn:
+                    out.response_masks += masks[sl]
+                    out.turn_spans += spans[sl]
                 for k, v in round_extras.items():
                     out.extras.setdefault(k, []).extend(v[sl])
                 for k in out.reward_dims:
@@ -479,12 +511,17 @@ class Trainer:
         for p, r_lp in zip(ro.prompt_ids, ro.rollout_logprobs):
             lp += [0.0] * len(p) + [min(x, 0.0) for x in r_lp]
         B = len(ro.group_ids)
-        return from_sequences(ro.prompt_ids, ro.response_ids, ro.group_ids,
+        batch = from_sequences(ro.prompt_ids, ro.response_ids, ro.group_ids,
                               rewards=torch.tensor(ro.rewards, dtype=torch.float32),
                               task_ids=torch.tensor(ro.task_ids, dtype=torch.long),
                               policy_versions=torch.full((B,), step - 1, dtype=torch.long),
                               truncated=torch.tensor(ro.truncated, dtype=torch.bool),
                               rollout_logprobs=torch.tensor(lp, dtype=torch.float32))
+        if ro.turn_spans:  # multi-turn episodes: observations out of the loss, the turn structure kept
+            from megarl.trainer.multiturn import apply_episode_structure
+
+            apply_episode_structure(batch, ro.response_masks, ro.turn_spans)
+        return batch
 
     def _step(self, step: int) -> dict:
         cfg = self.cfg

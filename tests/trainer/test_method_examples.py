@@ -83,7 +83,7 @@ def check_signal(name: str, r: dict) -> None:
         assert st["objective"] == ["policy_loss"], st  # per-task entropy EMA in the objective state
         assert _any(r, "rollout/entropy_old") and _any(r, "train/eppo/clip_scale")
     elif name in ("gigpo", "pgpo"):
-        assert _any(r, "adv/steps_per_seq") == [1.0] * STEPS  # single-turn task: one step per response
+        assert max(_any(r, "adv/steps_per_seq")) > 1.0  # multi-turn episodes (environment: retry)
     elif name == "dash":
         assert max(_any(r, "adv/dash_checkpoints_per_seq")) > 0
     elif name == "rspo":

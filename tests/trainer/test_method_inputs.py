@@ -15,6 +15,7 @@ from megarl.batch import from_sequences
 from megarl.data.tokenizer import CharTokenizer
 from megarl.trainer.config import ConfigError, from_dict
 from megarl.trainer.method_inputs import MethodInputs, required_inputs, single_turn_spans
+from megarl.trainer.multiturn import RetryTask, apply_episode_structure
 from megarl.trainer.shaping import JudgeTokenizer, RewardShaping, RoundRewards, evidence_items, words
 from tests.methods.test_family2_trainer import QUICKSTART, spliced
 
@@ -151,3 +152,30 @@ def test_judge_tokenizer_drops_unknown_characters_and_keeps_the_tail():
     assert len(ids) == 6 and ids[0] == tok.bos_id
     assert jt.decode(ids[1:]) == "56789"  # BOS + the last 5 tokens
     assert evidence_items("R 4071=") == ["4", "0", "7", "1"]
+
+
+def test_retry_task_asks_again_until_correct_or_out_of_turns():
+    tok = CharTokenizer(BASE["model"]["alphabet"])
+    env = RetryTask(tok, "R 123=", score=lambda t: float(t.strip() == "321"), best=1.0, max_turns=3)
+    assert env.reset() == tok.encode("R 123=")
+    wrong = env.step(tok.encode("123", bos=False))
+    assert not wrong.done and wrong.reward == 0.0 and wrong.observation_ids == tok.encode(" R 123=", bos=False)
+    right = env.step(tok.encode("321", bos=False))
+    assert right.done and right.reward == 1.0 and right.observation_ids == []
+    env.reset()
+    for _ in range(2):
+        assert not env.step(tok.encode("1", bos=False)).done
+    assert env.step(tok.encode("1", bos=False)).done  # max_turns
+
+
+def test_episode_structure_masks_observations():
+    tok, b = _batch()
+    masks = [[1.0, 1.0, 0.0, 0.0, 1.0, 1.0], [1.0], [1.0, 1.0]]
+    spans = [[(0, 7, "prompt"), (7, 9, "assistant"), (9, 11, "observation"), (11, 13, "assistant")],
+             [(0, 7, "prompt"), (7, 8, "assistant")], [(0, 6, "prompt"), (6, 8, "assistant")]]
+    apply_episode_structure(b, masks, spans)
+    assert b.loss_mask[7:13].tolist() == masks[0] and b.turn_spans == spans
+    MethodInputs(from_dict(spliced("gigpo"))).fill_batch(b, tok, ["321"] * 3, {})
+    assert (b.extras["step_state_keys"] >= 0).sum(1).tolist() == [2, 1, 1]
+    with pytest.raises(ValueError, match="sequence 1: response mask has 2 entries"):
+        apply_episode_structure(b, [masks[0], [1.0, 1.0], masks[2]], spans)
