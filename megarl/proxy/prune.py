@@ -15,6 +15,7 @@ source directory is only read.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import time
 
@@ -51,7 +52,7 @@ def check_request(cfg: MoEConfig, num_experts: int, ep_size: int, clamp_topk: bo
     """
     E, k, where = cfg.num_experts, cfg.top_k, "config.json"
     warnings: list[str] = []
-    if not isinstance(num_experts, int) or num_experts < 1:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral) or num_experts < 1:
         raise ProxyInputError(f"--experts {num_experts!r}: must be a positive integer")
     if num_experts > E:
         raise ProxyInputError(f"--experts {num_experts} exceeds the model's {E} routed experts ({where})")
@@ -137,6 +138,7 @@ def prune_moe_checkpoint(src_dir: str, out_dir: str, num_experts: int, calib: st
         raise ProxyInputError(f"max_calib_tokens={max_calib_tokens}: need at least 2")
     cfg = read_moe_config(src_dir)
     new_k, warnings = check_request(cfg, num_experts, ep_size, clamp_topk, allow_identity)
+    num_experts = int(num_experts)
     _check_out_dir(src_dir, out_dir)
     index: CheckpointIndex = scan_checkpoint(src_dir)
     layout = moe_layout(index, cfg.num_experts)
@@ -198,7 +200,8 @@ def prune_moe_checkpoint(src_dir: str, out_dir: str, num_experts: int, calib: st
         "features": f"[unit(mean expert output over all calibration tokens); {kappa} * unit(router row)], 1-cos",
         "calibration": {"texts": len(texts), "sequences": len(sequences),
                         "tokens": int(sum(len(s) for s in sequences)), "seq_len": seq_len,
-                        "source": calib if isinstance(calib, str) else f"list of {len(calib)} strings"},
+                        "source": (f"list of {len(calib)} strings" if isinstance(calib, (list, tuple))
+                                   else os.fspath(calib))},
         "config_changes": changes,
         "warnings": warnings,
         "coverage_mean": {k: round(float(np.mean([lr["coverage"][k] for lr in layers_report])), 6)

@@ -201,7 +201,7 @@ def test_group_limited_routing_deepseek(tmp_path):
     calib = write_calib(tmp_path / "c.jsonl")
     for method in ("agglomerative", "kmeans"):
         out = tmp_path / f"ds4-{method}"
-        rep = prune_moe_checkpoint(src, out, 4, str(calib), method=method)
+        rep = prune_moe_checkpoint(src, out, 4, calib, method=method)  # a Path works too
         s, p = load_tensors(src), load_tensors(out)
         for lr in rep["layers"]:
             assert all(len({e // 4 for e in c}) == 1 for c in lr["clusters"])  # no cluster crosses a group
@@ -212,6 +212,7 @@ def test_group_limited_routing_deepseek(tmp_path):
             assert torch.equal(p[f"{pre}.shared_experts.up_proj.weight"], s[f"{pre}.shared_experts.up_proj.weight"])
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["n_routed_experts"] == 4 and cfg["n_group"] == 2 and cfg["topk_group"] == 1
+        assert rep["calibration"]["source"] == str(calib)
         with torch.no_grad():
             assert torch.isfinite(load_hf(out)(torch.tensor([[3, 4, 5, 6]])).logits).all()
     with pytest.raises(ProxyInputError, match="not divisible by n_group=2"):
@@ -223,7 +224,7 @@ def test_group_limited_routing_deepseek(tmp_path):
 def test_mixtral_prunes_and_loads(tmp_path):
     src = build_tiny_moe(tmp_path / "mx", "mixtral", num_experts=8, top_k=2)
     out = tmp_path / "mx2"
-    rep = prune_moe_checkpoint(src, out, 2, CALIB_TEXTS)
+    rep = prune_moe_checkpoint(src, out, np.int64(2), CALIB_TEXTS)
     p = load_tensors(out)
     assert {k for k in p if "experts.1.w1" in k} and not {k for k in p if "experts.2." in k}
     assert json.loads((out / "config.json").read_text())["num_local_experts"] == 2
