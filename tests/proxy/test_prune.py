@@ -172,6 +172,44 @@ def test_report_contents(work):
         assert all(share[k] == max(share[e] for e in c) for k, c in zip(lr["kept"], lr["clusters"]))
 
 
+def test_statistics_match_a_direct_computation(work):
+    """Routing counts / mass, output signatures over ALL tokens and saliency, recomputed by hand
+    from the checkpoint's expert weights and the router applied to the captured MoE inputs."""
+    import torch.nn.functional as F
+
+    from megarl.proxy.stats import collect_expert_stats, tokenize_calibration
+
+    model = load_hf(work["src"])
+    seqs = tokenize_calibration(CALIB_TEXTS[:8], str(work["src"]), 1024, 300, seq_len=64)
+    inputs: dict[int, list] = {0: [], 1: []}
+    hooks = [model.model.layers[i].mlp.register_forward_pre_hook(lambda m, a, i=i: inputs[i].append(a[0][0]))
+             for i in (0, 1)]
+    stats = collect_expert_stats(model, seqs, [0, 1])
+    for h in hooks:
+        h.remove()
+    w = load_tensors(work["src"])
+    for layer in (0, 1):
+        x = torch.cat(inputs[layer])  # [T, H]
+        st = stats[layer]
+        assert st.tokens == x.shape[0] == sum(len(s) for s in seqs)
+        p = f"model.layers.{layer}.mlp"
+        probs = torch.softmax(x @ w[f"{p}.gate.weight"].T, -1)
+        top_v, top_i = probs.topk(K, -1)
+        gates = top_v / top_v.sum(-1, keepdim=True)
+        assert torch.equal(st.topk, top_i)
+        for e in range(E):
+            ye = F.linear(F.silu(F.linear(x, w[f"{p}.experts.{e}.gate_proj.weight"])) *
+                          F.linear(x, w[f"{p}.experts.{e}.up_proj.weight"]), w[f"{p}.experts.{e}.down_proj.weight"])
+            np.testing.assert_allclose(st.out_signature[e], ye.double().mean(0).numpy(), rtol=1e-4, atol=1e-6)
+            routed = top_i == e
+            assert st.count[e] == int(routed.sum())
+            g = (gates * routed).sum(-1)
+            np.testing.assert_allclose(st.mass[e], float(g.sum()), rtol=1e-5)
+            tok = routed.any(-1)
+            want = float((g[tok] * ye[tok].norm(dim=-1)).mean()) if tok.any() else 0.0
+            np.testing.assert_allclose(st.saliency[e], want, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- clustering
 def test_agglomerative_known_answer():
     pts = np.array([[0.0], [0.1], [0.15], [5.0], [5.2], [9.0]])
