@@ -529,6 +529,9 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
             raise ConfigError(str(e) if "reward.shaping" in str(e) else f"reward.shaping: {e}") from None
     _positive("reward.judge.timeout_s", cfg.reward.judge.timeout_s)
     _positive("environment.max_turns", cfg.environment.max_turns)
+    if cfg.async_loop.enabled and cfg.environment.name != "none":
+        raise ConfigError(f"async_loop.enabled=true: environment.name={cfg.environment.name!r} is not supported yet "
+                          "(the asynchronous producer generates single-turn samples); use environment.name: none")
     try:
         cfg.environment.feedback.format(prompt="")
     except (KeyError, IndexError, ValueError) as e:

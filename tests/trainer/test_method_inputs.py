@@ -39,6 +39,10 @@ def cfg_with(**sections) -> dict:
     ({"credit": {"rrpo": {"anchors": 1}}, "advantage": {"estimator": "rrpo"}}, "credit.rrpo.anchors=1"),
     ({"credit": {"rrpo": {"positive_prompt": "{gold} {prompt}"}}}, "credit.rrpo.positive_prompt"),
     ({"credit": {"rrpo": {"head_stepz": 3}}}, "unknown key credit.rrpo.head_stepz"),
+    ({"environment": {"name": "maze"}}, "environment.name='maze'; allowed"),
+    ({"environment": {"max_turns": 0}}, "environment.max_turns=0"),
+    ({"environment": {"feedback": "{answer}"}}, "environment.feedback"),
+    ({"environment": {"name": "retry"}, "async_loop": {"enabled": True}}, "async_loop.enabled=true: environment"),
 ])
 def test_bad_method_sections_name_the_key(section, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace("[", r"\[")):
