@@ -60,9 +60,15 @@ def check_dump_and_model(dump_dir: str, model_dir: str | None) -> tuple[dict, li
     return meta, batches, state, model, hf, notes
 
 
-def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True) -> dict:
+def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True,
+                old_logprobs: str = "auto") -> dict:
     """Replay the dump's optimizer steps on ``model_dir`` (default: the dump's weights); returns
-    the report (recorded vs replayed metrics per optimizer step, events of both)."""
+    the report (recorded vs replayed metrics per optimizer step, events of both).
+
+    ``old_logprobs``: 'dump' keeps the batch's old logprobs (the original policy's); 'recompute'
+    replaces them with the replay model's own (forward only, before any update), so a proxy trains
+    on-policy as the original did; 'auto' recomputes when the expert count differs from the dump's.
+    """
     from megarl.faults.config import DetectorConfig
     from megarl.faults.detectors import DetectorSuite, router_load_stats
     from megarl.faults.guard import NonFiniteGuard
@@ -74,6 +80,8 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
     from megarl.trainer.policy import build_learner
 
     meta, batches, state, model, hf, notes = check_dump_and_model(dump_dir, model_dir)
+    if old_logprobs not in ("auto", "dump", "recompute"):
+        raise DumpError(f"old_logprobs={old_logprobs!r}; allowed: auto, dump, recompute")
     step = int(meta["step"])
     torch.set_num_threads(int(meta.get("torch_threads") or torch.get_num_threads()))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -107,6 +115,13 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
     router = RouterLoadCounter(learner.model, spec.moe_layers, spec.num_experts) if spec.is_moe else None
     if router is not None:
         router.start()
+    recompute = old_logprobs == "recompute" or (
+        old_logprobs == "auto" and int(meta["model"]["num_experts"]) != learner.spec.num_experts)
+    if recompute:
+        for b in batches:
+            if b["batch"].old_logprobs is not None:
+                b["batch"].old_logprobs, _ = learner.compute_logprobs(b["batch"], b["num_micro_batches"])
+        notes.append("old logprobs recomputed with this model (on-policy, as the run was)")
     replayed = []
     for i, b in enumerate(batches):
         recorded_lr = (meta["optimizer_steps"][i] or {}).get("lr") if i < len(meta["optimizer_steps"]) else None
@@ -170,7 +185,8 @@ def format_report(rep: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``megarl proxy replay DUMP [--model HF_DIR] [--no-inject] [--out report.json]``."""
+    """``megarl proxy replay DUMP [--model HF_DIR] [--no-inject] [--old-logprobs auto|dump|recompute]
+    [--out report.json]``."""
     ap = argparse.ArgumentParser(prog="megarl proxy replay",
                                  description="Re-run a dumped trainer step (run_dir/dumps/step_N) on the original "
                                              "weights or a proxy, and report loss, grad norm and the detectors.")
@@ -178,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="HF checkpoint to replay on (default: the dump's own "
                                                   "pre-step weights); a proxy pruned from them works too")
     ap.add_argument("--no-inject", action="store_true", help="do not re-apply the step's injected faults")
+    ap.add_argument("--old-logprobs", default="auto", choices=["auto", "dump", "recompute"],
+                    help="old logprobs of the PPO ratio: the dumped ones, or recomputed by the replay model "
+                         "(auto: recompute when the expert count differs, i.e. on a proxy)")
     ap.add_argument("--out", default=None, help="write the report as JSON here")
     args = ap.parse_args(argv)
     try:
@@ -185,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except DumpError as e:
         print(f"megarl proxy replay: {e}", file=sys.stderr)
         return 2
-    rep = replay_dump(args.dump, args.model, inject=not args.no_inject)
+    rep = replay_dump(args.dump, args.model, inject=not args.no_inject, old_logprobs=args.old_logprobs)
     print(format_report(rep), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rep, indent=1, default=str))

@@ -39,10 +39,9 @@ def events(run_dir: Path) -> dict[int, list[dict]]:
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
+    from megarl.data.tasks import generate_task_files
     from megarl.proxy.compare import run_compare
     from megarl.proxy.prune import prune_moe_checkpoint
-
-    from megarl.data.tasks import generate_task_files
 
     tmp = tmp_path_factory.mktemp("faults")
     # written before the two runs start at once (each would generate them otherwise)
@@ -99,12 +98,12 @@ def test_replay_reproduces_the_recorded_step_exactly_and_the_fault_on_the_proxy(
         "out = [replay_dump(d, m or None) for d, m in json.loads(sys.argv[1])]\n"
         "print('REPORT' + json.dumps(out, default=str))\n")
     jobs = [(str(dumps / "step_000001"), ""), (str(dumps / "step_000002"), ""),
-            (str(dumps / "step_000003"), str(tmp / "proxy"))]
+            (str(dumps / "step_000003"), str(tmp / "proxy")), (str(dumps / "step_000001"), str(tmp / "proxy"))]
     p = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], cwd=ROOT, capture_output=True, text=True,
                        check=False,
                        timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    clean, overflow, on_proxy = json.loads(p.stdout.split("REPORT", 1)[1])
+    clean, overflow, on_proxy, clean_on_proxy = json.loads(p.stdout.split("REPORT", 1)[1])
     meta = json.loads((dumps / "step_000001" / "dump.json").read_text())
     row = clean["optimizer_steps"][0]
     assert row["exact"] and row["replayed"]["grad_norm"] == meta["optimizer_steps"][0]["grad_norm"]
@@ -114,6 +113,9 @@ def test_replay_reproduces_the_recorded_step_exactly_and_the_fault_on_the_proxy(
     assert overflow["optimizer_steps"][0]["exact"]  # the same NaN grad norm, the same finite loss
     assert on_proxy["notes"] and "4 routed experts" in on_proxy["notes"][0]
     assert [e["type"] for e in on_proxy["events"]] == ["nonfinite"] and on_proxy["same_event_types"]
+    # a clean step on the proxy (old logprobs recomputed by the proxy): finite, no event
+    assert any("recomputed" in n for n in clean_on_proxy["notes"])
+    assert clean_on_proxy["events"] == [] and clean_on_proxy["optimizer_steps"][0]["replayed"]["grad_norm"] > 0
 
 
 def test_replay_on_an_incompatible_model_is_refused_before_any_work(compared, tmp_path, capsys):
