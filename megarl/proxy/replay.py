@@ -67,7 +67,9 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
 
     ``old_logprobs``: 'dump' keeps the batch's old logprobs (the original policy's); 'recompute'
     replaces them with the replay model's own (forward only, before any update), so a proxy trains
-    on-policy as the original did; 'auto' recomputes when the expert count differs from the dump's.
+    on-policy as the original did, and shifts the rollout logprobs by the same amount per token (the
+    run's engine-vs-learner difference is kept, e.g. an engine precision fault); 'auto' recomputes
+    when the expert count differs from the dump's.
     """
     from megarl.faults.config import DetectorConfig
     from megarl.faults.detectors import DetectorSuite, router_load_stats
@@ -119,9 +121,16 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
         old_logprobs == "auto" and int(meta["model"]["num_experts"]) != learner.spec.num_experts)
     if recompute:
         for b in batches:
-            if b["batch"].old_logprobs is not None:
-                b["batch"].old_logprobs, _ = learner.compute_logprobs(b["batch"], b["num_micro_batches"])
-        notes.append("old logprobs recomputed with this model (on-policy, as the run was)")
+            mb = b["batch"]
+            if mb.old_logprobs is None:
+                continue
+            new_old, _ = learner.compute_logprobs(mb, b["num_micro_batches"])
+            if mb.rollout_logprobs is not None:
+                # keep the run's per-token engine-vs-learner difference, moved onto this model's policy
+                mb.rollout_logprobs = new_old + (mb.rollout_logprobs - mb.old_logprobs)
+            mb.old_logprobs = new_old
+        notes.append("old logprobs recomputed with this model (on-policy, as the run was); rollout logprobs "
+                     "moved with them (the run's engine-vs-learner difference kept per token)")
     replayed = []
     for i, b in enumerate(batches):
         recorded_lr = (meta["optimizer_steps"][i] or {}).get("lr") if i < len(meta["optimizer_steps"]) else None

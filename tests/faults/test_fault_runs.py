@@ -1,9 +1,10 @@
 """End to end on a tiny Qwen3-MoE (8 experts, top-2, 2 layers, char tokenizer) and its proxy made by
-``megarl proxy prune`` (4 experts): ``megarl proxy compare`` trains both for 4 steps with a NaN
-injected at step 3 and an fp16 loss-scale overflow at step 2; then dumped steps are replayed.
+``megarl proxy prune`` (4 experts): ``megarl proxy compare`` trains both for 4 steps with an fp16
+loss-scale overflow injected at step 2, a NaN at step 3 and bfloat16 attention at step 4; then
+dumped steps are replayed.
 
-- both runs report the same event type at the same steps; the optimizer skips those steps and
-  the weights stay finite (step 4 trains normally);
+- both runs report the same event type at the same steps (non-finite at 2 and 3, logprob gap
+  at 4); the optimizer skips steps 2 and 3 and the weights stay finite (step 4 trains normally);
 - the fidelity report (markdown, PNG, JSON) is written;
 - a dumped clean step replayed on the same model gives the recorded loss and grad norm bit for
   bit; the NaN step replayed on the proxy shows the same detector; a model of another shape is
@@ -25,7 +26,8 @@ RECIPE = ROOT / "tests" / "faults" / "recipe.yaml"
 pytestmark = pytest.mark.slow
 
 INJECT = ("faults.inject=[{kind: nan, target: decoder.layers.0.mlp, step: 3}, "
-          "{kind: fp16, target: decoder.layers.1.mlp, step: 2, loss_scale: 1.0e+9}]")
+          "{kind: fp16, target: decoder.layers.1.mlp, step: 2, loss_scale: 1.0e+9}, "
+          "{kind: bf16, target: decoder.layers.0.self_attention, step: 4}]")
 CALIB = [f"R {a}{b}{c}={c}{b}{a}" for a in "1357" for b in "02468" for c in "159"]
 
 
@@ -54,7 +56,8 @@ def compared(tmp_path_factory):
     try:
         rep = run_compare(str(RECIPE), str(orig), str(tmp / "proxy"), 4, str(tmp / "cmp"),
                           [f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}", INJECT,
-                           "faults.dump_on=[nonfinite]", "faults.dump_steps=[1]"], parallel=True)
+                           "faults.dump_on=[nonfinite]", "faults.dump_steps=[1]",
+                           "faults.detectors.logprob_gap_max=1.0e-4"], parallel=True)
     finally:
         if old is None:
             os.environ.pop("MEGARL_NUM_THREADS")
@@ -74,12 +77,17 @@ def test_injected_faults_are_detected_at_the_same_step_on_original_and_proxy(com
         assert m[3]["events"][0]["detail"]["loss"] == "nan"  # the NaN is in the forward
         for s in (2, 3):
             assert m[s]["train/update_successful"] == 0.0 and m[s]["events"][0]["detail"]["optimizer_step_skipped"]
-        assert "events" not in m[1] and "events" not in m[4]
+        assert "events" not in m[1]
         # the skipped steps left the weights finite: step 4 trains normally
         assert m[4]["train/update_successful"] == 1.0 and m[4]["train/loss"] is not None
+        # bf16 attention in the train forward of step 4: the train/rollout logprob gap jumps
+        # (~1e-7 -> ~5e-4 measured), the same precision symptom on both models
+        assert [e["type"] for e in m[4]["events"]] == ["logprob_gap"], m[4].get("events")
+        assert m[1]["train/train_rollout_logprob_gap"] < 1e-5 and m[4]["train/train_rollout_logprob_gap"] > 1e-4
         assert m[4]["faults/nonfinite_total"] == 2
         assert len(m[4]["router/layer0/load"]) == (8 if name == "original" else 4)
-    assert rep["events"]["same_types_per_step"] and rep["events"]["original"] == [(2, "nonfinite"), (3, "nonfinite")]
+    assert rep["events"]["same_types_per_step"]
+    assert rep["events"]["original"] == [(2, "nonfinite"), (3, "nonfinite"), (4, "logprob_gap")]
     out = tmp / "cmp"
     assert (out / "fidelity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "fidelity.md").read_text()
