@@ -74,7 +74,9 @@ def base_config(model: str, work: Path, steps: int) -> dict:
         "reward": {"functions": list(d["reward"]["functions"]) + [FORMAT_REWARD]},
         "warmup": {"sft_steps": 6, "batch_size": 32},
         "rollout": {"n": 4, "max_new_tokens": 6},
-        "schedule": {"steps": steps, "prompts_per_step": 4, "mini_batches": 1, "micro_batches": 1,
+        # 2 mini-batches: the second optimizer step is off-policy, so clipping, trust regions and
+        # corrections act (with one, every ratio is 1 and most losses coincide)
+        "schedule": {"steps": steps, "prompts_per_step": 4, "mini_batches": 2, "micro_batches": 1,
                      "eval_every": 0, "eval_samples": 4, "eval_k": 1},
         "optimizer": {"lr_warmup_steps": 0},  # both steps update the weights
         "checkpoint": {"every": 1000},

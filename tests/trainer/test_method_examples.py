@@ -129,7 +129,7 @@ def test_example_runs_in_the_trainer(name, model, tmp_path_factory):
     assert [s["step"] for s in r["steps"]] == list(range(1, STEPS + 1))
     for s in r["steps"]:
         assert math.isfinite(s["train/loss"]) and math.isfinite(s["train/grad_norm"]), s
-        assert s["train/update_successful"] == 1.0
+        assert s["train/update_successful"] == 1.0 and s["train/optimizer_steps"] == 2  # 2 mini-batches
         # the engine sampled with exactly the learner's weights (dense and MoE, EP=2)
         assert s["rollout/logprob_gap_old"] < 1e-4, s["rollout/logprob_gap_old"]
     assert r["param_change"] > 0, "the weights did not move"
