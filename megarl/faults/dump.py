@@ -7,7 +7,8 @@ Layout of ``DUMP = run_dir/dumps/step_000003/``::
                      (loss, grad_norm, ...), the detector baselines, torch threads, a pointer to the
                      run checkpoint of the previous step when one exists
     batches.pt       per optimizer step: the exact PackedBatch the learner got (after any poison),
-                     its number of micro-batches and global normalisers
+                     its number of micro-batches and global normalisers; with data parallelism the
+                     shares of every DP rank too (``dp_shares``, in DP-rank order)
     state.pt         objective state and learner step BEFORE the step, torch / Python RNG states
     weights/         the policy weights BEFORE the step as a HF checkpoint (config.json +
                      safetensors, the names megarl.convert writes): what ``--model`` defaults to
@@ -55,6 +56,39 @@ def batch_from_dict(d: dict) -> PackedBatch:
     if unknown:
         raise DumpError(f"batch field {unknown[0]!r} is not a PackedBatch field (dump from another version?)")
     return PackedBatch(**d).validate()
+
+
+def concat_batches(parts: list[PackedBatch]) -> PackedBatch:
+    """The sequences of ``parts`` in order as one PackedBatch (the data-parallel shares of one
+    optimizer step -> the global batch). Per-token and per-sequence fields are concatenated,
+    ``cu_seqlens`` offset; a field must be present in all parts or in none."""
+    from megarl.batch import TOKEN_FIELDS
+
+    if len(parts) == 1:
+        return parts[0]
+    kw: dict = {}
+    for f in dataclasses.fields(PackedBatch):
+        vals = [getattr(b, f.name) for b in parts]
+        if f.name == "cu_seqlens":
+            lens = torch.cat([b.seq_lens for b in parts])
+            cu = torch.zeros(lens.numel() + 1, dtype=torch.long)
+            cu[1:] = torch.cumsum(lens, 0)
+            kw[f.name] = cu
+        elif f.name == "extras":
+            kw[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
+        elif all(v is None for v in vals):
+            kw[f.name] = None
+        elif any(v is None for v in vals):
+            raise DumpError(f"batch field {f.name!r} is set in some data-parallel shares only")
+        elif f.name == "turn_spans":
+            kw[f.name] = [s for v in vals for s in v]
+        elif f.name == "reward_names":
+            kw[f.name] = vals[0]
+        elif isinstance(vals[0], torch.Tensor) or f.name in TOKEN_FIELDS:
+            kw[f.name] = torch.cat(vals)
+        else:
+            kw[f.name] = vals[0]
+    return PackedBatch(**kw).validate()
 
 
 def model_shape(hf_config: dict) -> dict:
@@ -105,7 +139,9 @@ def write_dump(out_dir: Path, meta: dict, batches: list[dict], state: dict,
         shutil.rmtree(out_dir)
     tmp.mkdir(parents=True)
     torch.save([{"batch": batch_to_dict(b["batch"]), "num_micro_batches": int(b["num_micro_batches"]),
-                 "normalisers": dataclasses.asdict(b["normalisers"])} for b in batches], tmp / DUMP_BATCHES)
+                 "normalisers": dataclasses.asdict(b["normalisers"]),
+                 "dp_shares": [batch_to_dict(x) for x in b.get("dp_shares") or []]} for b in batches],
+               tmp / DUMP_BATCHES)
     torch.save(state, tmp / DUMP_STATE)
     if weights is not None:
         wdir = tmp / DUMP_WEIGHTS
@@ -133,7 +169,8 @@ def read_dump(dump_dir: str | os.PathLike) -> tuple[dict, list[dict], dict]:
         raise DumpError(f"{d / DUMP_META}: not valid JSON: {e}") from None
     raw = torch.load(d / DUMP_BATCHES, weights_only=False)
     batches = [{"batch": batch_from_dict(r["batch"]), "num_micro_batches": r["num_micro_batches"],
-                "normalisers": GlobalNormalisers(**r["normalisers"])} for r in raw]
+                "normalisers": GlobalNormalisers(**r["normalisers"]),
+                "dp_shares": [batch_from_dict(x) for x in r.get("dp_shares") or []]} for r in raw]
     state = torch.load(d / DUMP_STATE, weights_only=False)
     return meta, batches, state
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megarl.batch import PackedBatch
 from megarl.faults.config import FaultsConfig
 from megarl.faults.detectors import DetectorSuite, router_load_stats
-from megarl.faults.dump import model_shape, write_dump
+from megarl.faults.dump import batch_from_dict, batch_to_dict, model_shape, write_dump
 from megarl.faults.guard import NonFiniteGuard
 from megarl.faults.injection import Injector, describe
 from megarl.faults.router_stats import RouterLoadCounter
@@ -120,7 +120,13 @@ class FaultMonitor:
         for s in poisoned + armed:
             if s not in self.injected:
                 self.injected.append(s)
-        self.batches.append({"batch": batch, "num_micro_batches": num_micro_batches, "normalisers": normalisers})
+        rec = {"batch": batch, "num_micro_batches": num_micro_batches, "normalisers": normalisers}
+        if self._wants_snapshot(step) and self.groups.dp_size > 1:
+            # every DP rank's share, so a dump holds the whole optimizer step (collective over DP)
+            shares: list = [None] * self.groups.dp_size
+            dist.all_gather_object(shares, batch_to_dict(batch), group=self.groups.dp)
+            rec["dp_shares"] = [batch_from_dict(x) for x in shares]
+        self.batches.append(rec)
         return batch
 
     def after_train(self, step: int, metrics: dict) -> None:

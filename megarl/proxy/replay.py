@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.faults.dump import DumpError, check_compatible, default_weights, read_dump
+from megarl.faults.dump import DumpError, check_compatible, concat_batches, default_weights, read_dump
 
 
 def _num(x) -> float:
@@ -88,15 +88,21 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
     torch.set_num_threads(int(meta.get("torch_threads") or torch.get_num_threads()))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lay = meta["layout"]
-    if world == lay["world_size"]:
+    same_layout = world == lay["world_size"]
+    if same_layout:
         layout = ParallelLayout(tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], cp=lay["cp"],
                                 sequence_parallel=lay["sequence_parallel"], expert_tp=lay["expert_tp"])
     else:
         layout = ParallelLayout()
-        notes.append(f"the dump ran on {lay['world_size']} rank(s) (tp={lay['tp']}, pp={lay['pp']}, ep={lay['ep']}); "
-                     f"this replay on {world}: comparable numbers, not bit-exact ones")
+        notes.append(f"the dump ran on {lay['world_size']} rank(s) (tp={lay['tp']}, pp={lay['pp']}, ep={lay['ep']}, "
+                     f"dp={lay.get('dp', 1)}); this replay on {world}: comparable numbers, not bit-exact ones")
     cfg = from_dict(meta["run_config"])
     groups = initialize_parallel(layout, seed=cfg.model.seed)
+    for b in batches:
+        # data-parallel dumps hold every DP rank's share: this rank's, or all of them on one replica
+        if b["dp_shares"]:
+            b["batch"] = b["dp_shares"][groups.dp_rank] if groups.dp_size == len(b["dp_shares"]) \
+                else concat_batches(b["dp_shares"])
     learner = build_learner(cfg, hf, groups)
     learner.load_hf(model)
     learner.step = int(state["learner_step"])
