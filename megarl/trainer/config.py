@@ -162,6 +162,15 @@ class RRPOConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation (``objective.distill: sampled_reverse_kl``): a HF
+    checkpoint sharing the policy's vocabulary, run forward-only beside the learner; its logprobs of
+    the sampled tokens fill ``batch.teacher_logprobs``."""
+
+    hf_dir: Optional[str] = None  # the teacher's HF checkpoint directory (config.json + safetensors)
+
+
+@dataclass
 class EnvironmentConfig:
     """Multi-turn rollouts (megarl/trainer/multiturn.py). ``none``: one answer per sample. ``retry``:
     a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``) as an observation
@@ -270,6 +279,7 @@ class TrainConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -529,6 +539,10 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
             raise ConfigError(str(e) if "reward.shaping" in str(e) else f"reward.shaping: {e}") from None
     _positive("reward.judge.timeout_s", cfg.reward.judge.timeout_s)
     _positive("environment.max_turns", cfg.environment.max_turns)
+    d = cfg.objective.distill
+    if d in ("forward_kl", "reverse_kl"):
+        raise ConfigError(f"objective.distill={d!r} needs the teacher's full-vocabulary logits inside the loss, "
+                          "which the trainer does not provide yet; use sampled_reverse_kl (teacher logprobs)")
     if cfg.async_loop.enabled and cfg.environment.name != "none":
         raise ConfigError(f"async_loop.enabled=true: environment.name={cfg.environment.name!r} is not supported yet "
                           "(the asynchronous producer generates single-turn samples); use environment.name: none")

@@ -246,6 +246,12 @@ class Trainer:
         if self.method.needs_ref:
             self.ref = build_learner(cfg, self.hf, self.groups, trainable=False)
             self.ref.load_hf(str(init_dir))
+        self.teacher = None
+        if self.method.needs_teacher:  # on-policy distillation: forward-only, its own architecture
+            from megarl.trainer.method_inputs import teacher_hf_config
+
+            self.teacher = build_learner(cfg, teacher_hf_config(cfg, self.hf), self.groups, trainable=False)
+            self.teacher.load_hf(cfg.teacher.hf_dir)
         # one objective for the whole run: stateful parts (EPPO's task entropies, ...) accumulate
         # across steps and travel with the checkpoints
         self.objective = build_objective(cfg.objective)
@@ -550,6 +556,8 @@ class Trainer:
                 batch.old_logprobs = lp
         if self.ref is not None:
             batch.ref_logprobs, _ = self.ref.compute_logprobs(batch, cfg.schedule.micro_batches)
+        if getattr(self, "teacher", None) is not None:
+            batch.teacher_logprobs, _ = self.teacher.compute_logprobs(batch, cfg.schedule.micro_batches)
         t_logprob = time.time() - t0
         self.method.fill_batch(batch, self.tok, ro.answers, ro.reward_dims, ro.extras)
         self.method.advantages(batch)

@@ -8,6 +8,8 @@ entropy history) across steps and checkpoints:
 - ``entropies`` [T]: full-vocab entropy of the behaviour policy, from the learner's old-logprob
   pass (GEPO, EPPO);
 - ``ref_logprobs`` [T]: from the frozen reference learner (KL, CoKL);
+- ``teacher_logprobs`` [T]: from the forward-only teacher learner (``teacher.hf_dir``; on-policy
+  distillation);
 - ``steps``: ``turn_spans`` and ``extras["step_state_keys"]`` [B, S] (GiGPO, PGPO). A single-turn
   batch (the quickstart) gets one prompt span and one assistant span per sequence, so every
   response is one step whose anchor state is its prompt;
@@ -54,7 +56,28 @@ def required_inputs(cfg) -> set[str]:
         need |= set(_declared(REGULARISERS.get(reg["name"]), reg["name"], _REGULARISER_INPUTS))
     if o.kl_coef:
         need.add("ref_logprobs")
+    if o.distill != "none":
+        need.add("teacher_logprobs")
     return need
+
+
+def teacher_hf_config(cfg, policy_hf: dict) -> dict:
+    """The teacher's HF config (``teacher.hf_dir``), checked to share the policy's vocabulary; with
+    the char tokenizer the special token ids are the tokenizer's, as for the policy."""
+    from megarl.learner.model import load_hf_config
+    from megarl.trainer.config import ConfigError
+
+    if not cfg.teacher.hf_dir:  # checked when the run starts: the example configs carry no teacher
+        raise ConfigError(f"objective.distill={cfg.objective.distill!r} needs teacher.hf_dir (the teacher's HF "
+                          "checkpoint, sharing the policy's vocabulary)")
+    hf = dict(load_hf_config(cfg.teacher.hf_dir))
+    if int(hf.get("vocab_size", -1)) != int(policy_hf["vocab_size"]):
+        raise ConfigError(f"teacher.hf_dir={cfg.teacher.hf_dir}: vocab_size {hf.get('vocab_size')} differs from the "
+                         f"policy's {policy_hf['vocab_size']} (distillation compares logprobs of the same tokens)")
+    for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if k in policy_hf:
+            hf[k] = policy_hf[k]
+    return hf
 
 
 def single_turn_spans(batch: PackedBatch) -> list[list[tuple[int, int, str]]]:
@@ -103,6 +126,11 @@ class MethodInputs:
     def needs_ref(self) -> bool:
         """Whether the run needs a frozen reference learner."""
         return "ref_logprobs" in self.inputs
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the run needs a teacher learner (on-policy distillation)."""
+        return "teacher_logprobs" in self.inputs
 
     @property
     def needs_rrpo_scores(self) -> bool:

@@ -15,7 +15,8 @@ Per example, rank 0 prints (and appends to ``--out``) one JSON line: the metrics
 the largest parameter change (max over ranks), the method's checkpoint state after a save/load
 round trip, and ``error`` when the example failed (the loop goes on with the next one).
 
-The smoke base adds one reward dimension to the quickstart's exact match (``format``: the
+The distillation example's teacher is the policy's architecture with other random weights
+(written once by ``_setup``). The smoke base adds one reward dimension to the quickstart's exact match (``format``: the
 response is digits only, weight 0.5), so that two steps of a barely warmed-up model see non-zero
 advantages; examples with their own ``reward.functions`` keep theirs.
 """
@@ -41,10 +42,7 @@ EXAMPLES = ROOT / "examples" / "methods"
 QUICKSTART = {"dense": ROOT / "examples" / "quickstart.yaml", "moe": ROOT / "examples" / "quickstart-moe.yaml"}
 
 # Examples the trainer cannot run yet, with the reason (the pytest side reports them as skipped).
-UNSUPPORTED = {
-    "core-onpolicy-distill": "needs teacher_logprobs from a teacher model; the trainer has no teacher "
-                             "config or teacher learner yet",
-}
+UNSUPPORTED: dict[str, str] = {}
 
 FORMAT_REWARD = {"name": "format", "kind": "regex", "pattern": r"^\d+$", "weight": 0.5}
 
@@ -81,6 +79,7 @@ def base_config(model: str, work: Path, steps: int) -> dict:
         "optimizer": {"lr_warmup_steps": 0},  # both steps update the weights
         "checkpoint": {"every": 1000},
         "credit": {"rrpo": {"anchors": 2, "head_steps": 5}},
+        "teacher": {"hf_dir": str(work / "teacher")},  # written by _setup (on-policy distillation)
         "logging": {"run_dir": str(work / "run"), "plot": False},
     })
 
@@ -160,6 +159,7 @@ def _setup(trainer, model: str) -> Path:
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     trainer._warmup(init_dir)
+    _write_teacher(trainer, Path(cfg.teacher.hf_dir))
     dist.barrier()
     trainer.engine = trainer._make_engine() if dist.get_rank() == 0 else None
     trainer.loop = trainer._make_event_loop()
@@ -175,6 +175,23 @@ def _fault_monitor(trainer) -> None:
 
     trainer.faults = FaultMonitor(trainer.cfg.faults, trainer.learner, trainer.groups, trainer.run_dir, trainer.hf,
                                   to_dict(trainer.cfg), [])
+
+
+def _write_teacher(trainer, out: Path) -> None:
+    """A teacher for the distillation example: the policy's architecture with other random weights
+    (model.seed + 1), written in megarl's HF export format (collective)."""
+    import dataclasses
+
+    from megarl.convert.hf_megatron import save_hf_checkpoint
+    from megarl.trainer.policy import build_learner
+
+    if out.is_dir():
+        return
+    cfg = trainer.cfg
+    tcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seed=cfg.model.seed + 1))
+    ln = build_learner(tcfg, trainer.hf, trainer.groups, trainable=False)
+    save_hf_checkpoint(ln.model, trainer.groups, out, hf_config=trainer.hf)
+    del ln
 
 
 def run_example(trainer, name: str, cfg, init_dir: Path, steps: int) -> dict:

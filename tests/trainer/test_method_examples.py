@@ -107,6 +107,9 @@ def check_signal(name: str, r: dict) -> None:
         assert st["method"].get("rrpo") == ["head"]
     elif name == "cokl":
         assert len(_any(r, "train/reg/cokl")) == STEPS
+    elif name == "core-onpolicy-distill":
+        d = _any(r, "train/distill")  # teacher logprobs from the forward-only teacher learner
+        assert len(d) == STEPS and any(x != 0 for x in d), d
     elif name in ("core-grpo", "core-reinforce-pp-baseline"):
         assert len(_any(r, "train/kl")) == STEPS  # the frozen reference learner was built
     else:  # losses with their own token diagnostics

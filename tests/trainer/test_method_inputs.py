@@ -43,6 +43,9 @@ def cfg_with(**sections) -> dict:
     ({"environment": {"max_turns": 0}}, "environment.max_turns=0"),
     ({"environment": {"feedback": "{answer}"}}, "environment.feedback"),
     ({"environment": {"name": "retry"}, "async_loop": {"enabled": True}}, "async_loop.enabled=true: environment"),
+    ({"objective": {"policy_loss": "none", "distill": "forward_kl", "distill_coef": 1.0}},
+     "objective.distill='forward_kl' needs the teacher's full-vocabulary logits"),
+    ({"teacher": {"hf_dirr": "x"}}, "unknown key teacher.hf_dirr"),
 ])
 def test_bad_method_sections_name_the_key(section, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace("[", r"\[")):
@@ -53,6 +56,7 @@ def test_bad_method_sections_name_the_key(section, msg):
     ("gepo", {"entropies"}), ("eppo", {"entropies"}), ("cokl", {"ref_logprobs"}), ("gigpo", {"steps"}),
     ("pgpo", {"steps"}), ("dash", {"answer_checkpoints"}), ("rspo", {"reward_dims"}), ("rrpo", {"rrpo_scores"}),
     ("core-grpo", {"ref_logprobs"}), ("core-dapo", set()), ("taco", set()),
+    ("core-onpolicy-distill", {"teacher_logprobs"}),
 ])
 def test_required_inputs_of_the_examples(name, want):
     assert required_inputs(from_dict(spliced(name))) == want
@@ -183,3 +187,19 @@ def test_episode_structure_masks_observations():
     assert (b.extras["step_state_keys"] >= 0).sum(1).tolist() == [2, 1, 1]
     with pytest.raises(ValueError, match="sequence 1: response mask has 2 entries"):
         apply_episode_structure(b, [masks[0], [1.0, 1.0], masks[2]], spans)
+
+
+def test_teacher_needs_a_checkpoint_with_the_policy_vocabulary(tmp_path):
+    import json
+
+    from megarl.trainer.method_inputs import teacher_hf_config
+
+    cfg = from_dict(spliced("core-onpolicy-distill"))
+    with pytest.raises(ConfigError, match="needs teacher.hf_dir"):
+        teacher_hf_config(cfg, {"vocab_size": 24})
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 32, "eos_token_id": 9}))
+    cfg.teacher.hf_dir = str(tmp_path)
+    with pytest.raises(ConfigError, match="vocab_size 32 differs from the policy's 24"):
+        teacher_hf_config(cfg, {"vocab_size": 24})
+    hf = teacher_hf_config(cfg, {"vocab_size": 32, "eos_token_id": 1})
+    assert hf["eos_token_id"] == 1  # the policy tokenizer's special ids
