@@ -103,16 +103,18 @@ def model_shape(hf_config: dict) -> dict:
     return out
 
 
-def check_compatible(dumped: dict, hf_config: dict, model_dir: str, uses_routes: bool = False) -> list[str]:
-    """Raise ``DumpError`` when the model at ``model_dir`` cannot replay a dump of ``dumped``
-    (``model_shape`` of the run); returns notes on accepted differences (fewer experts)."""
+def check_compatible(dumped: dict, hf_config: dict, model_dir: str, uses_routes: bool = False,
+                     ref: str = "dump") -> list[str]:
+    """Raise ``DumpError`` when the model at ``model_dir`` cannot stand in for ``dumped`` (the
+    ``model_shape`` of the run, called ``ref`` in messages); returns notes on accepted
+    differences (fewer experts)."""
     have = model_shape(hf_config)
-    bad = [f"{k}: dump {dumped.get(k)!r}, model {have[k]!r}" for k in SHAPE_KEYS if dumped.get(k) != have[k]]
+    bad = [f"{k}: {ref} {dumped.get(k)!r}, model {have[k]!r}" for k in SHAPE_KEYS if dumped.get(k) != have[k]]
     if bool(dumped.get("num_experts")) != bool(have["num_experts"]):
-        bad.append(f"num_experts: dump {dumped.get('num_experts')}, model {have['num_experts']} "
+        bad.append(f"num_experts: {ref} {dumped.get('num_experts')}, model {have['num_experts']} "
                    "(dense vs MoE)")
     if bad:
-        raise DumpError(f"model {model_dir} does not fit the dump: " + "; ".join(bad))
+        raise DumpError(f"model {model_dir} does not fit the {ref}: " + "; ".join(bad))
     notes = []
     if have["num_experts"] != dumped.get("num_experts"):
         if uses_routes:

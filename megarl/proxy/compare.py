@@ -66,7 +66,8 @@ def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: 
             raise CompareError(f"--{name} {d}: no *.safetensors weights")
         shapes[name] = model_shape(json.loads((Path(d) / "config.json").read_text()))
     try:
-        check_compatible(shapes["original"], json.loads((Path(proxy) / "config.json").read_text()), proxy)
+        check_compatible(shapes["original"], json.loads((Path(proxy) / "config.json").read_text()), proxy,
+                         ref="original")
     except DumpError as e:
         raise CompareError(f"--proxy is not a proxy of --original: {e}") from None
     return shapes
