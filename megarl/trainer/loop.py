@@ -306,14 +306,16 @@ class Trainer:
                      ) -> tuple[torch.Tensor, dict[str, list[float]], dict[str, float]]:
         """Rank 0, one rollout round: shaped scalar rewards [G*n], per-sample extras, metrics."""
         scalar, extras, metrics = rr.scalar, {}, {}
-        if self.shaping is not None:
+        # getattr: trainers assembled piecemeal (tests of the rollout phase) have no method parts
+        shaping, rrpo = getattr(self, "shaping", None), getattr(self, "rrpo", None)
+        if shaping is not None:
             from megarl.trainer.shaping import RoundRewards
 
-            out = self.shaping.shape(RoundRewards([r.prompt for r in rows], [r.answer for r in rows], uids, texts,
+            out = shaping.shape(RoundRewards([r.prompt for r in rows], [r.answer for r in rows], uids, texts,
                                                   rr.dims, rr.scalar, n), step)
             scalar, metrics = out.scalar, dict(out.metrics)
-        if self.rrpo is not None:
-            scores, m = self.rrpo.scores(self.engine.model, self.engine, self.loop.run_until_complete, self.tok,
+        if rrpo is not None:
+            scores, m = rrpo.scores(self.engine.model, self.engine, self.loop.run_until_complete, self.tok,
                                          prompts, [r.prompt for r in rows], [r.answer for r in rows], resp_ids, n,
                                          self._sampling_params(step, rnd + 1000, 0))
             extras["rrpo_scores"] = scores
