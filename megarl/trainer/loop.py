@@ -656,10 +656,14 @@ class Trainer:
         out["time/eval"] = time.time() - t0
         return out
 
+    def _trainer_state(self, step: int) -> dict:
+        """What ``trainer.json`` holds besides the step and the RNG (subclasses add their own)."""
+        return {"sampler": self.sampler.state_dict(), "reward_failures": self.failures_total,
+                "policy_version": step}
+
     def _checkpoint(self, step: int) -> None:
         t0 = time.time()
-        state = {"sampler": self.sampler.state_dict(), "reward_failures": self.failures_total,
-                 "policy_version": step}
+        state = self._trainer_state(step)
         path = checkpointing.save(self.run_dir, step, self.learner, state, self.cfg.checkpoint.keep_last,
                                   objective_state=self.objective.state_dict(), method_state=self._method_state())
         _log(f"checkpoint {path} ({time.time() - t0:.1f}s)")
