@@ -569,16 +569,12 @@ class AsyncTrainer(Trainer):
         if self.producer is not None:
             self.loop.run_until_complete(self.producer.update_keeping(str(wdir), version))
 
-    def _checkpoint(self, step: int) -> None:
-        t0 = time.time()
-        snap = None
-        if self.producer is not None:
+    def _trainer_state(self, step: int) -> dict:
+        state = super()._trainer_state(step)
+        if self.producer is not None:  # the sampler as of the batch in progress, the queue, the counters
             snap = self.loop.run_until_complete(self.producer.snapshot())
-        state = {"sampler": snap["sampler"] if snap else self.sampler.state_dict(),
-                 "reward_failures": self.failures_total, "policy_version": step, "async": snap}
-        path = checkpointing.save(self.run_dir, step, self.learner, state, self.cfg.checkpoint.keep_last,
-                                  objective_state=self.objective.state_dict(), method_state=self._method_state())
-        _log(f"checkpoint {path} ({time.time() - t0:.1f}s)")
+            state["sampler"], state["async"] = snap["sampler"], snap
+        return state
 
     def _finish(self) -> None:
         if self.producer is not None:
