@@ -470,10 +470,9 @@ def validate(cfg: TrainConfig) -> None:
         _positive(key, v)
     _positive("warmup.sft_steps", cfg.warmup.sft_steps, strict=False)
     _positive("async_loop.max_staleness", cfg.async_loop.max_staleness, strict=False)
-    if cfg.async_loop.enabled and (cfg.reward.shaping is not None or cfg.advantage.estimator == "rrpo"
-                                   or cfg.environment.name != "none"):
-        raise ConfigError("async_loop.enabled=true: reward.shaping, advantage.estimator=rrpo and multi-turn "
-                          "environments are not supported by the asynchronous loop yet; disable one of them")
+    if cfg.async_loop.enabled and (cfg.reward.shaping is not None or cfg.advantage.estimator == "rrpo"):
+        raise ConfigError("async_loop.enabled=true: reward.shaping and advantage.estimator=rrpo are not supported "
+                          "by the asynchronous loop yet; disable one of them")
     if cfg.data.chat_template and cfg.model.tokenizer != "hf":
         raise ConfigError("data.chat_template=true needs model.tokenizer='hf' (a tokenizer with a chat template)")
     _positive("reward.timeout_s", cfg.reward.timeout_s)
