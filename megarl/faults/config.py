@@ -79,6 +79,7 @@ class FaultsConfig:
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
     dump_on: list = field(default_factory=list)  # event types that trigger a step dump
     dump_steps: list = field(default_factory=list)  # trainer steps dumped unconditionally
+    dump_learner_state: bool = True  # dump_steps: also the full learner state before the step
     dump_dir: str = ""  # default: run_dir/dumps
     max_dumps: int = 5
 

@@ -6,7 +6,8 @@ Event types are listed in megarl.faults.config.EVENT_TYPES. ``DetectorSuite`` ru
 carries their state (saved in step dumps so a replay is judged against the same baseline).
 
 Metric keys read (the trainer's record, docs/trainer.md): ``train/loss``, ``train/grad_norm``,
-``train/entropy``, ``train/train_rollout_logprob_gap``, ``rollout/logprob_gap_old``; router loads
+``train/entropy``, ``faults/logprob_gap_first`` (the train/rollout logprob gap of the step's first
+optimizer step, else ``train/train_rollout_logprob_gap``), ``rollout/logprob_gap_old``; router loads
 come separately as ``[n_moe_layers, E]`` token counts (megarl.faults.router_stats).
 """
 
@@ -120,8 +121,11 @@ class DetectorSuite:
             if hit:
                 ev.append(make_event("grad_norm_spike", step, **hit))
         if c.logprob_gap_max > 0:
-            gaps = {k: rec[k] for k in ("train/train_rollout_logprob_gap", "rollout/logprob_gap_old")
-                    if _finite(rec.get(k))}
+            # the train forward's gap of the step's FIRST optimizer step (weights = rollout weights,
+            # so only numerics remain); the step mean also holds the policy's drift after updates
+            train_key = "faults/logprob_gap_first" if "faults/logprob_gap_first" in rec \
+                else "train/train_rollout_logprob_gap"
+            gaps = {k: rec[k] for k in (train_key, "rollout/logprob_gap_old") if _finite(rec.get(k))}
             worst = max(gaps.items(), key=lambda kv: kv[1], default=None)
             if worst is not None and worst[1] > c.logprob_gap_max:
                 ev.append(make_event("logprob_gap", step, metric=worst[0], value=worst[1],

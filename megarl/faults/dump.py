@@ -12,6 +12,8 @@ Layout of ``DUMP = run_dir/dumps/step_000003/``::
     state.pt         objective state and learner step BEFORE the step, torch / Python RNG states
     weights/         the policy weights BEFORE the step as a HF checkpoint (config.json +
                      safetensors, the names megarl.convert writes): what ``--model`` defaults to
+    learner/         (dump_steps only) the full learner state before the step: a megarl learner
+                     checkpoint (weights, Adam moments, LR schedule, RNG)
 
 Written into ``step_NNNNNN.tmp`` and renamed, so a dump directory is always complete.
 """
@@ -33,6 +35,7 @@ DUMP_META = "dump.json"
 DUMP_BATCHES = "batches.pt"
 DUMP_STATE = "state.pt"
 DUMP_WEIGHTS = "weights"
+DUMP_LEARNER = "learner"
 
 # HF config keys that must agree between the dumped model and a replay model. Expert count and
 # top-k may differ (that is what a proxy changes).
@@ -127,10 +130,11 @@ def check_compatible(dumped: dict, hf_config: dict, model_dir: str, uses_routes:
 
 
 def write_dump(out_dir: Path, meta: dict, batches: list[dict], state: dict,
-               weights: dict[str, torch.Tensor] | None, hf_config: dict) -> Path:
+               weights: dict[str, torch.Tensor] | None, hf_config: dict, learner_dir: Path | None = None) -> Path:
     """Write a dump atomically (rank 0 only). ``batches``: [{batch: PackedBatch, num_micro_batches,
     normalisers: GlobalNormalisers}]; ``weights``: HF-named tensors before the step (None: the dump
-    points to ``meta['checkpoint']`` only)."""
+    points to ``meta['checkpoint_before']`` only); ``learner_dir``: a megarl learner checkpoint of
+    the state before the step, moved into the dump as ``learner/``."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -152,6 +156,9 @@ def write_dump(out_dir: Path, meta: dict, batches: list[dict], state: dict,
                   metadata={"format": "pt"})
         (wdir / "config.json").write_text(json.dumps(hf_config, indent=1))
         meta = dict(meta, weights=DUMP_WEIGHTS)
+    if learner_dir is not None and Path(learner_dir).is_dir():
+        os.rename(learner_dir, tmp / DUMP_LEARNER)
+        meta = dict(meta, learner_state=DUMP_LEARNER)
     (tmp / DUMP_META).write_text(json.dumps(meta, indent=1, default=str))
     os.rename(tmp, out_dir)
     return out_dir

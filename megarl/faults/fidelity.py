@@ -22,6 +22,7 @@ CURVES: tuple[tuple[str, str], ...] = (
     ("train/grad_norm", "grad norm"),
     ("train/entropy", "entropy (nats/token)"),
     ("train/train_rollout_logprob_gap", "train vs rollout logprob gap"),
+    ("faults/logprob_gap_first", "train vs rollout gap, first update of a step"),
     ("rollout/logprob_gap_old", "learner vs engine logprob gap"),
     ("router/imbalance", "router load imbalance (max/mean, layer mean)"),
     ("router/load_entropy", "router load entropy (normalised, layer mean)"),

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -99,8 +100,22 @@ class FaultMonitor:
         from megarl.trainer.policy import export_state
 
         weights = {k: v.detach().cpu().clone() for k, v in export_state(self.learner).items()}
+        learner_dir = None
+        if step in self.cfg.dump_steps and self.cfg.dump_learner_state and _optimizer_has_state(self.learner):
+            # known in advance: the full learner state (weights, Adam moments, LR schedule, RNG)
+            # before the step, so every optimizer step of it replays exactly (collective). Before
+            # the first successful update the optimizer is fresh, as a replay's is: nothing to save.
+            from megarl.learner.checkpoint import save_checkpoint
+
+            learner_dir = self.dump_dir / f".learner_before_{step:06d}"
+            if _rank0() and learner_dir.exists():
+                shutil.rmtree(learner_dir)
+            if dist.is_initialized():
+                dist.barrier()
+            save_checkpoint(self.learner, learner_dir)
         obj_state = copy.deepcopy(objective.state_dict()) if hasattr(objective, "state_dict") else {}
-        return {"weights": weights, "objective_state": obj_state, "learner_step": int(self.learner.step),
+        return {"weights": weights, "learner_dir": learner_dir, "objective_state": obj_state,
+                "learner_step": int(self.learner.step),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                 "detectors": copy.deepcopy(self.suite.state_dict()) if self.suite else None}
 
@@ -148,6 +163,9 @@ class FaultMonitor:
                 out[f"router/layer{layer}/imbalance"] = float(st["imbalance"][i])
                 out[f"router/layer{layer}/load_entropy"] = float(st["entropy"][i])
                 out[f"router/layer{layer}/load"] = [round(float(x), 6) for x in st["fractions"][i]]
+        first_gap = self.opt_metrics[0].get("train_rollout_logprob_gap") if self.opt_metrics else None
+        if first_gap is not None:
+            out["faults/logprob_gap_first"] = first_gap
         events: list[dict] = []
         if self.suite is not None:
             events = self.suite.check(step, {**rec, **out}, counts, self.spec.moe_layers)
@@ -200,7 +218,7 @@ class FaultMonitor:
         state = {"objective_state": snap["objective_state"], "learner_step": snap["learner_step"],
                  "rng": snap["rng"], "detectors": snap["detectors"]}
         path = write_dump(self.dump_dir / f"step_{step:06d}", _json_safe(meta), self.batches, state,
-                          snap["weights"], self.hf_config)
+                          snap["weights"], self.hf_config, learner_dir=snap["learner_dir"])
         print(f"megarl train: step {step} dumped to {path} ({', '.join(why)}; {time.time() - t0:.1f}s)",
               flush=True)
         return path
@@ -212,6 +230,12 @@ class FaultMonitor:
             self.router.stop()
         if self.guard is not None:
             self.guard.uninstall()
+
+
+def _optimizer_has_state(learner) -> bool:
+    """Whether Adam holds moments yet (megatron cannot save a never-stepped optimizer)."""
+    opts = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+    return any(len(getattr(o, "optimizer", o).state) > 0 for o in opts)
 
 
 def _short(e: dict) -> str:

@@ -8,9 +8,11 @@ and the same detectors judge the result against the run's baselines as they were
 
 Compatibility is checked before any work (vocabulary, layers, hidden size, heads, head dim, dense
 vs MoE; recorded routes need the same experts). On the dumped model, with the dump's thread count
-and layout, the first optimizer step's loss and grad norm equal the recorded ones bit for bit;
-later optimizer steps of the same trainer step start from a fresh Adam state (the dump holds
-weights, not optimizer moments), so only their losses before the first update are comparable.
+and layout, the first optimizer step's loss and grad norm equal the recorded ones bit for bit.
+When the full learner state before the step is at hand (the dump's ``learner/``, written for
+``dump_steps``, or the run checkpoint of the previous step) it is loaded instead of the HF
+weights, and every optimizer step of the trainer step replays exactly; otherwise later optimizer
+steps start from a fresh Adam state and are comparable, not identical.
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ def check_dump_and_model(dump_dir: str, model_dir: str | None) -> tuple[dict, li
     return meta, batches, state, model, hf, notes
 
 
+def full_state_dir(dump_dir: str, meta: dict) -> str | None:
+    """The learner checkpoint holding the state before the dumped step: the dump's own
+    ``learner/``, else the run checkpoint of the previous step if it still exists."""
+    own = Path(dump_dir) / str(meta.get("learner_state") or "")
+    if meta.get("learner_state") and own.is_dir():
+        return str(own)
+    prev = meta.get("checkpoint_before")
+    if prev and (Path(prev) / "learner").is_dir():
+        return str(Path(prev) / "learner")
+    return None
+
+
 def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True,
                 old_logprobs: str = "auto") -> dict:
     """Replay the dump's optimizer steps on ``model_dir`` (default: the dump's weights); returns
@@ -104,7 +118,14 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
             b["batch"] = b["dp_shares"][groups.dp_rank] if groups.dp_size == len(b["dp_shares"]) \
                 else concat_batches(b["dp_shares"])
     learner = build_learner(cfg, hf, groups)
-    learner.load_hf(model)
+    full = full_state_dir(dump_dir, meta) if model_dir is None else None
+    if full is not None:
+        from megarl.learner.checkpoint import load_checkpoint
+
+        load_checkpoint(learner, full)
+        notes.append(f"full learner state before the step (weights, Adam moments, LR schedule) from {full}")
+    else:
+        learner.load_hf(model)
     learner.step = int(state["learner_step"])
     objective = build_objective(cfg.objective)
     objective.load_state_dict(state["objective_state"])
@@ -152,6 +173,8 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
     if guard is not None:
         guard.uninstall()
     rec: dict = {f"train/{k}": sum(m[k] for m in replayed) / len(replayed) for k in replayed[-1]}
+    if "train_rollout_logprob_gap" in replayed[0]:
+        rec["faults/logprob_gap_first"] = replayed[0]["train_rollout_logprob_gap"]
     lp = [(b["batch"].old_logprobs, b["batch"].rollout_logprobs, b["batch"].loss_mask.bool()) for b in batches]
     if all(o is not None and r is not None for o, r, _ in lp):
         rec["rollout/logprob_gap_old"] = float(torch.cat([(o[m] - r[m]).abs() for o, r, m in lp]).mean())

@@ -65,6 +65,9 @@ def test_logprob_gap_takes_the_worst_of_both_gaps():
     ev = s.check(2, {"train/train_rollout_logprob_gap": 0.4, "rollout/logprob_gap_old": 0.9})
     assert types(ev) == ["logprob_gap"] and ev[0]["detail"]["metric"] == "rollout/logprob_gap_old"
     assert DetectorSuite(DetectorConfig(logprob_gap_max=0.0)).check(1, {"rollout/logprob_gap_old": 9.0}) == []
+    # the first optimizer step's gap wins over the step mean (which holds the drift of later updates)
+    rec = {"faults/logprob_gap_first": 1e-7, "train/train_rollout_logprob_gap": 0.9}
+    assert s.check(3, rec) == []
 
 
 def test_router_stats_and_collapse_per_layer():

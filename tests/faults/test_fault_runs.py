@@ -7,7 +7,7 @@ dumped steps are replayed.
   at 4); the optimizer skips steps 2 and 3 and the weights stay finite (step 4 trains normally);
 - the fidelity report (markdown, PNG, JSON) is written;
 - a dumped clean step replayed on the same model gives the recorded loss and grad norm bit for
-  bit; the NaN step replayed on the proxy shows the same detector; a model of another shape is
+  bit, for both of its optimizer steps (2 mini-batches; the dump holds the full learner state); the NaN step replayed on the proxy shows the same detector; a model of another shape is
   refused before any work.
 """
 
@@ -56,8 +56,8 @@ def compared(tmp_path_factory):
     try:
         rep = run_compare(str(RECIPE), str(orig), str(tmp / "proxy"), 4, str(tmp / "cmp"),
                           [f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}", INJECT,
-                           "faults.dump_on=[nonfinite]", "faults.dump_steps=[1]",
-                           "faults.detectors.logprob_gap_max=1.0e-4"], parallel=True)
+                           "faults.dump_on=[nonfinite]", "faults.dump_steps=[1, 4]",
+                           "faults.detectors.logprob_gap_max=1.0e-4", "schedule.mini_batches=2"], parallel=True)
     finally:
         if old is None:
             os.environ.pop("MEGARL_NUM_THREADS")
@@ -83,7 +83,7 @@ def test_injected_faults_are_detected_at_the_same_step_on_original_and_proxy(com
         # bf16 attention in the train forward of step 4: the train/rollout logprob gap jumps
         # (~1e-7 -> ~5e-4 measured), the same precision symptom on both models
         assert [e["type"] for e in m[4]["events"]] == ["logprob_gap"], m[4].get("events")
-        assert m[1]["train/train_rollout_logprob_gap"] < 1e-5 and m[4]["train/train_rollout_logprob_gap"] > 1e-4
+        assert m[1]["faults/logprob_gap_first"] < 1e-5 and m[4]["faults/logprob_gap_first"] > 1e-4
         assert m[4]["faults/nonfinite_total"] == 2
         assert len(m[4]["router/layer0/load"]) == (8 if name == "original" else 4)
     assert rep["events"]["same_types_per_step"]
@@ -99,23 +99,31 @@ def test_injected_faults_are_detected_at_the_same_step_on_original_and_proxy(com
 def test_replay_reproduces_the_recorded_step_exactly_and_the_fault_on_the_proxy(compared):
     tmp, _ = compared
     dumps = tmp / "cmp" / "original" / "dumps"
-    assert sorted(p.name for p in dumps.iterdir()) == ["step_000001", "step_000002", "step_000003"]
+    assert sorted(p.name for p in dumps.iterdir()) == ["step_000001", "step_000002", "step_000003", "step_000004"]
     script = (
         "import json, sys\n"
         "from megarl.proxy.replay import replay_dump\n"
         "out = [replay_dump(d, m or None) for d, m in json.loads(sys.argv[1])]\n"
         "print('REPORT' + json.dumps(out, default=str))\n")
     jobs = [(str(dumps / "step_000001"), ""), (str(dumps / "step_000002"), ""),
-            (str(dumps / "step_000003"), str(tmp / "proxy")), (str(dumps / "step_000001"), str(tmp / "proxy"))]
+            (str(dumps / "step_000003"), str(tmp / "proxy")), (str(dumps / "step_000001"), str(tmp / "proxy")),
+            (str(dumps / "step_000004"), "")]
     p = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], cwd=ROOT, capture_output=True, text=True,
                        check=False,
                        timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    clean, overflow, on_proxy, clean_on_proxy = json.loads(p.stdout.split("REPORT", 1)[1])
-    meta = json.loads((dumps / "step_000001" / "dump.json").read_text())
-    row = clean["optimizer_steps"][0]
-    assert row["exact"] and row["replayed"]["grad_norm"] == meta["optimizer_steps"][0]["grad_norm"]
-    assert row["replayed"]["loss"] == meta["optimizer_steps"][0]["loss"]
+    clean, overflow, on_proxy, clean_on_proxy, later = json.loads(p.stdout.split("REPORT", 1)[1])
+    # step 1: Adam is fresh in the run as in the replay; step 4: the dump holds the full learner
+    # state (Adam moments of step 1); both optimizer steps (2 mini-batches) replay exactly
+    assert any("full learner state" in n for n in later["notes"])
+    assert not any("full learner state" in n for n in clean["notes"])
+    for rep, step in ((clean, 1), (later, 4)):
+        meta = json.loads((dumps / f"step_{step:06d}" / "dump.json").read_text())
+        assert len(rep["optimizer_steps"]) == 2
+        for row, rec in zip(rep["optimizer_steps"], meta["optimizer_steps"]):
+            assert row["exact"] and row["replayed"]["grad_norm"] == rec["grad_norm"], (step, row, rec)
+            assert row["replayed"]["loss"] == rec["loss"]
+    assert [e["type"] for e in later["events"]] == ["logprob_gap"] and later["injections"] == ["bf16"]
     assert clean["events"] == [] and clean["same_event_types"]
     assert overflow["injections"] == ["fp16"] and [e["type"] for e in overflow["events"]] == ["nonfinite"]
     assert overflow["optimizer_steps"][0]["exact"]  # the same NaN grad norm, the same finite loss
