@@ -4,7 +4,7 @@ invariants (methods-b §23)."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megarl.batch import from_sequences
@@ -66,8 +66,11 @@ def test_constant_entropy_is_a_magnitude_mask(H, eps, kappa, d):
     delta = torch.tensor(d, dtype=torch.float64)
     logp = torch.full_like(delta, -1.0)
     adv = torch.ones_like(delta)
-    got = _call(logp, logp - delta, torch.full_like(delta, H), adv, eps=eps, kappa=kappa, is_cap=1e9)
     eps_prime = eps * max(H, 0.05) ** kappa
+    # the loss sees logp - (logp - delta), which may differ from delta in the last bit: keep
+    # deviations that sit on the bound itself out of an exact mask comparison
+    assume(bool(((delta.abs() - eps_prime).abs() > 1e-9).all()))
+    got = _call(logp, logp - delta, torch.full_like(delta, H), adv, eps=eps, kappa=kappa, is_cap=1e9)
     want = -(delta.abs() <= eps_prime).double() * torch.exp(delta) * adv * logp
     torch.testing.assert_close(got, want)
 
