@@ -7,14 +7,14 @@ skip.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from megarl.rollout.launcher import VLLMServerConfig, default_vllm_python, launch_vllm
+from megarl.rollout.launcher import VLLMServerConfig, launch_vllm
 from megarl.rollout.testing_models import build_tiny_qwen3
+from tests.vllm_venv import require_vllm_python
 
 PROMPT = [586, 28, 594, 289, 370, 13, 20, 33, 201, 591, 28]  # "user: What is 2+2?\nassistant:"
 
@@ -26,16 +26,6 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {"v1": build_tiny_qwen3(root / "v1", seed=0), "v2": build_tiny_qwen3(root / "v2", seed=1)}
 
 
-def _require_vllm_venv() -> str:
-    python = default_vllm_python()
-    if not Path(python).exists():
-        msg = f"vLLM venv missing ({python}); run `bash tests/setup/20-vllm.sh`"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg + " (CI: tests marked vllm must not be skipped)")
-        pytest.skip(msg)
-    return python
-
-
 @pytest.fixture(scope="session")
 def vllm_server(tiny_models, tmp_path_factory):
     """One real vLLM server on the v1 weights, bound to loopback, reachable through the
@@ -44,7 +34,7 @@ def vllm_server(tiny_models, tmp_path_factory):
     fp32 so that greedy decoding can be compared with transformers token for token: in bf16 the
     eager CPU kernels flip a near-tied argmax of this random model (measured: token 8 of 16).
     """
-    python = _require_vllm_venv()
+    python = require_vllm_python()
     work = tmp_path_factory.mktemp("vllm-server")
     cfg = VLLMServerConfig(model_dir=str(tiny_models["v1"]), python=python, served_model_name="tiny",
                            expose_host="127.0.0.1", work_dir=str(work), max_num_seqs=32,

@@ -21,23 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout.launcher import default_vllm_python
+from tests.vllm_venv import require_vllm_python
 
 ROOT = Path(__file__).parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
-def require_vllm_venv() -> None:
-    python = default_vllm_python()
-    if not Path(python).exists():
-        msg = f"vLLM venv missing ({python}); run `bash tests/setup/20-vllm.sh`"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg + " (CI: tests marked vllm must not be skipped)")
-        pytest.skip(msg)
-
-
 def test_quickstart_vllm_tp2_syncs_weights_and_trains(tmp_path):
-    require_vllm_venv()
+    require_vllm_python()
     run_dir = tmp_path / "run"
     args = [f"logging.run_dir={run_dir}", f"data.train={tmp_path / 'train.jsonl'}",
             f"data.eval={tmp_path / 'eval.jsonl'}", "data.generate.num_eval=16", "schedule.steps=3",
