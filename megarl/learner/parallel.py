@@ -126,9 +126,26 @@ def init_distributed(timeout_s: float = 120.0) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
+# megatron keeps its groups in parallel_state's module globals, and a process group cannot be freed
+# while any model built on it lives (megatron DDP's gradient hooks sit on C++ autograd nodes, out of
+# reach of Python's gc, so dropped learners are never collected). Re-creating the groups on every
+# layout switch therefore piled up gloo threads (~50 per switch and rank; 2,000+ in the learner
+# tests). Instead each layout's groups are created once per process and megatron's globals are
+# restored from this cache when the layout comes back.
+_GROUPS_BY_LAYOUT: dict[tuple, dict] = {}
+
+
+def _megatron_state() -> dict:
+    """A copy of megatron parallel_state's module globals (groups, ranks, cached sizes)."""
+    from megatron.core import parallel_state as ps
+
+    return {name: value for name, value in vars(ps).items() if name.startswith("_") and name.isupper()}
+
+
 def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGroups:
-    """Create the groups of ``layout`` over the default process group (re-creating them if a
-    previous layout is active), seed megatron's RNG tracker, and return the groups.
+    """Make ``layout`` the active one: its groups over the default process group (created the first
+    time this process uses the layout, restored from the per-layout cache after that), megatron's
+    RNG tracker seeded; returns the groups.
 
     On CPU this first applies the megatron-core CPU shims (megarl.learner.cpu_shims).
     """
@@ -143,15 +160,22 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
     init_distributed()
     world = dist.get_world_size()
     layout.data_parallel_size(world)  # validates
-    destroy_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        create_gloo_process_groups=use_cuda(),  # on CPU the default group is gloo already
-    )
+    key = (world, layout.tp, layout.pp, layout.cp, layout.ep, layout.etp)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()  # forgets megatron's globals; the groups stay in the cache
+    if key in _GROUPS_BY_LAYOUT:
+        for name, value in _GROUPS_BY_LAYOUT[key].items():
+            setattr(ps, name, value)
+    else:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            create_gloo_process_groups=use_cuda(),  # on CPU the default group is gloo already
+        )
+        _GROUPS_BY_LAYOUT[key] = _megatron_state()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
@@ -164,43 +188,31 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
         pg_collection=pgc, device=device)
 
 
-def _megatron_groups() -> list[dist.ProcessGroup]:
-    """Every process group this rank holds in megatron's ``parallel_state`` globals (deduplicated,
-    the default group excluded)."""
-    from megatron.core import parallel_state as ps
-
-    found: dict[int, dist.ProcessGroup] = {}
-
-    def visit(value) -> None:
-        if isinstance(value, dist.ProcessGroup):
-            found.setdefault(id(value), value)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-
-    for name, value in vars(ps).items():
-        if name.startswith("_") and name.isupper():
-            visit(value)
-    world = dist.group.WORLD if dist.is_initialized() else None
-    return [g for g in found.values() if g is not world]
-
-
 def destroy_parallel() -> None:
-    """Tear down megatron's groups (the default process group stays).
-
-    megatron's ``destroy_model_parallel`` only forgets its groups; the communicators stay alive, and
-    each gloo group keeps its own threads. Switching layouts many times in one process (tests, the
-    proxy comparison) would pile up thousands of threads, so the groups are destroyed first.
-    """
+    """Tear down every layout's groups (the default process group stays): for the end of a process
+    that switched layouts, after its models are gone."""
     from megatron.core import parallel_state as ps
 
-    if not ps.model_parallel_is_initialized():
-        return
-    if dist.is_initialized():
-        for group in _megatron_groups():
-            dist.destroy_process_group(group)
-    ps.destroy_model_parallel()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    world = dist.group.WORLD if dist.is_initialized() else None
+    seen: set[int] = set()
+    for state in _GROUPS_BY_LAYOUT.values():
+        for group in _groups_in(state.values()):
+            if id(group) not in seen and group is not world:
+                seen.add(id(group))
+                dist.destroy_process_group(group)
+    _GROUPS_BY_LAYOUT.clear()
 
+
+def _groups_in(values) -> list:
+    """The process groups among ``values`` (also inside lists, tuples and dicts)."""
+    out = []
+    for value in values:
+        if isinstance(value, dist.ProcessGroup):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out += _groups_in(value)
+        elif isinstance(value, dict):
+            out += _groups_in(value.values())
+    return out

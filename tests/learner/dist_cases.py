@@ -427,22 +427,26 @@ def case_replay(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
 
 
 def case_groups(args, moe: bool, layout_name: str) -> dict:
-    """Switching layouts again and again must not pile up communicator threads (megatron forgets its
-    groups without destroying them; initialize_parallel destroys them)."""
+    """Switching layouts again and again, with a model built under each, must not pile up
+    communicator threads: each layout's groups are made once per process and reused (megatron
+    forgets its groups without freeing them, and models keep them alive)."""
     def threads() -> int:  # native threads too (gloo's are not Python threads)
         return len(os.listdir("/proc/self/task"))
 
-    names = ["tp1", "tp2", "ep2", "pp2", "tp2sp"] if moe else ["tp1", "tp2", "pp2", "tp2sp"]
-    initialize_parallel(LAYOUTS[layout_name])
-    before = threads()
+    _, d = make_hf_model(moe, args.workdir)
+    names = ["tp1", "ep2", "pp2", "tp2sp"] if moe else ["tp1", "tp2", "pp2", "tp2sp"]
+    counts, same_groups = [], True
+    first: dict[str, object] = {}
     for _ in range(3):
         for name in names:
             groups = initialize_parallel(LAYOUTS[name])
-            t = torch.ones(1)
-            dist.all_reduce(t, group=groups.tp)  # the new groups work
-    after = threads()
-    grown = int(max_over_world(after - before))
-    return {"threads_before": before, "threads_after": after, "grown": grown, "ok": grown <= 4}
+            same_groups &= first.setdefault(name, groups.tp) is groups.tp
+            ln = learner_for(LAYOUTS[name], d)
+            ln.compute_logprobs(make_batch(3))  # the groups work
+        counts.append(threads())
+    grown = int(max_over_world(counts[-1] - counts[0]))
+    return {"threads_per_round": counts, "grown_after_first_round": grown, "groups_reused": same_groups,
+            "ok": grown <= 4 and same_groups}
 
 
 CASES = {
@@ -479,6 +483,7 @@ def main() -> None:
         except Exception as e:  # report and continue: one failing case must not hide the others
             res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         res["seconds"] = round(time.time() - t0, 2)
+        res["threads_after"] = len(os.listdir("/proc/self/task"))  # native threads of rank 0 (gloo's too)
         res["case"] = spec
         if dist.get_rank() == 0:
             print("CASE " + json.dumps(res), flush=True)
