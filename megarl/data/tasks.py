@@ -56,6 +56,8 @@ def generate_task_files(task: str, train_path: str | os.PathLike, eval_path: str
     for path, part in ((eval_path, rows[:num_eval]), (train_path, rows[num_eval:])):
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
+        # every rank of a job may generate the same files at once: a private temp name per process,
+        # then an atomic replace (the contents are identical, so whichever lands last is fine)
+        tmp = p.with_name(f"{p.name}.tmp-{os.getpid()}")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in part))
         os.replace(tmp, p)
