@@ -16,3 +16,11 @@ settings.register_profile("dev", max_examples=25, deadline=None, database=None,
 settings.register_profile("deep", max_examples=1000, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding slow (end-to-end) cases run first. Under pytest-xdist (``-n``, CI's default)
+    each file goes to one worker in collection order, so a long file collected last would run
+    alone at the end while the other worker idles; started first, the short tests fill the gaps."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept otherwise
