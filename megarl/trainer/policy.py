@@ -23,9 +23,9 @@ def build_learner(cfg, hf_config: dict, groups, lr: Optional[float] = None, trai
     learner without optimizer state, for the KL reference)."""
     import dataclasses
 
-    from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
+    from megarl.learner.learner import Learner, LearnerConfig
 
-    optim = OptimConfig(**dataclasses.asdict(cfg.optimizer))
+    optim = cfg.optimizer  # the config's optimizer section is the learner's OptimConfig
     if lr is not None:  # the warm-up: its own constant LR
         optim = dataclasses.replace(optim, lr=lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=0,
                                     lr_decay_style="constant")
