@@ -12,7 +12,7 @@ therefore marks this server dead.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megarl.rollout.http_base import HttpEngine
 from megarl.rollout.types import (EngineDeadError, GenerateRequest, GenerateResult, RolloutError, Sample,
@@ -110,20 +110,46 @@ class VLLMEngine(HttpEngine):
         await super().pause()  # hold new requests client-side while the server drains
         try:
             await self.request("POST", "/pause", params={"mode": "wait"}, admin=True)
-            try:
-                await self.request("POST", "/collective_rpc", admin=True,
-                                   json_body={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
-            except RolloutError as e:
-                self.mark_dead(f"weight reload from {weights_dir} failed: {e}")
-                raise EngineDeadError(f"{self.name}: weight reload from {weights_dir} failed; the server "
-                                      f"must be restarted ({e})") from e
+            await self._reload(weights_dir)
             await self.request("POST", "/reset_prefix_cache", admin=True)
-            if version is not None:
-                await self.request("POST", "/update_weight_version", admin=True, json_body={"new_version": version})
-                self.weight_version = version
+            await self._set_version(version)
             await self.request("POST", "/resume", admin=True)
         finally:
             await super().resume()
+
+    async def update_weights_keeping_requests(self, weights_dir: str | os.PathLike, version: Optional[str],
+                                              on_frozen: Callable[[list[str]], None]) -> None:
+        """Reload all weights while the in-flight requests stay on the server, frozen, and then finish
+        with the new weights (the async loop's ``partial_rollout: continue``). ``on_frozen`` gets the
+        ids of those requests once no new request can start: their tokens come from both versions.
+        Errors as for ``update_weights``.
+        """
+        weights_dir = os.path.abspath(weights_dir)
+        check_weights_dir(weights_dir, self._reference_names)
+        await super().pause()  # requests not yet sent wait client-side
+        try:
+            on_frozen(list(self._inflight))
+            await self.request("POST", "/pause", params={"mode": "keep"}, admin=True)
+            await self._reload(weights_dir)
+            await self._set_version(version)
+            await self.request("POST", "/resume", admin=True)
+        finally:
+            await super().resume()
+
+    async def _reload(self, weights_dir: str) -> None:
+        """The server reloads its weights from ``weights_dir``; a failure marks it dead."""
+        try:
+            await self.request("POST", "/collective_rpc", admin=True,
+                               json_body={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+        except RolloutError as e:
+            self.mark_dead(f"weight reload from {weights_dir} failed: {e}")
+            raise EngineDeadError(f"{self.name}: weight reload from {weights_dir} failed; the server "
+                                  f"must be restarted ({e})") from e
+
+    async def _set_version(self, version: Optional[str]) -> None:
+        if version is not None:
+            await self.request("POST", "/update_weight_version", admin=True, json_body={"new_version": version})
+            self.weight_version = version
 
     async def abort(self, request_id: Optional[str] = None) -> int:
         """Abort one request (or all with ``None``): the caller gets finish_reason "abort" at once and

@@ -236,30 +236,15 @@ class RolloutProducer:
         self._open.set()
 
     async def update_keeping(self, weights_dir: str, version: int) -> None:
-        """vLLM, ``partial_rollout: continue``: freeze the server's requests, reload the weights
-        from ``weights_dir`` and resume them (they finish with the new weights); then ``version``."""
-        import os
-
-        from megarl.rollout.types import EngineDeadError, RolloutError
-        from megarl.rollout.weights import check_weights_dir
-
-        engine = self.t.engine
-        weights_dir = os.path.abspath(weights_dir)
-        check_weights_dir(weights_dir)
+        """vLLM, ``partial_rollout: continue``: the server keeps its requests frozen across the reload
+        of ``weights_dir`` (they finish with the new weights); then ``version`` is served."""
         self._open.clear()
-        await RolloutEngine.pause(engine)  # requests not yet sent wait client-side
-        self._spanning |= set(engine._inflight)
-        self.counters["kept_requests"] += len(engine._inflight)
-        await engine.request("POST", "/pause", params={"mode": "keep"}, admin=True)
-        try:
-            await engine.request("POST", "/collective_rpc", admin=True,
-                                 json_body={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
-        except RolloutError as e:
-            engine.mark_dead(f"weight reload from {weights_dir} failed: {e}")
-            raise EngineDeadError(f"{engine.name}: weight reload from {weights_dir} failed ({e})") from e
-        await engine.request("POST", "/update_weight_version", admin=True, json_body={"new_version": str(version)})
-        engine.weight_version = str(version)
-        await engine.request("POST", "/resume", admin=True)
+
+        def frozen(request_ids: list[str]) -> None:  # generated across the update: old and new weights
+            self._spanning.update(request_ids)
+            self.counters["kept_requests"] += len(request_ids)
+
+        await self.t.engine.update_weights_keeping_requests(weights_dir, str(version), frozen)
         await self.after_update(version)
 
     async def stop(self) -> None:
