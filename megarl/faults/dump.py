@@ -16,14 +16,21 @@ Layout of ``DUMP = run_dir/dumps/step_000003/``::
                      checkpoint (weights, Adam moments, LR schedule, RNG)
 
 Written into ``step_NNNNNN.tmp`` and renamed, so a dump directory is always complete.
+
+Dumps are shared between people, so ``batches.pt`` and ``state.pt`` hold plain containers only
+(dicts, lists, tuples, str, numbers, None, tensors) and are read with ``torch.load(...,
+weights_only=True)``: a file holding any other pickled object is refused, never executed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
+import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,8 +46,15 @@ DUMP_LEARNER = "learner"
 
 # HF config keys that must agree between the dumped model and a replay model. Expert count and
 # top-k may differ (that is what a proxy changes).
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim")
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 class DumpError(ValueError):
@@ -106,37 +120,131 @@ def model_shape(hf_config: dict) -> dict:
     return out
 
 
-def check_compatible(dumped: dict, hf_config: dict, model_dir: str, uses_routes: bool = False,
-                     ref: str = "dump") -> list[str]:
+def check_compatible(
+    dumped: dict, hf_config: dict, model_dir: str, uses_routes: bool = False, ref: str = "dump"
+) -> list[str]:
     """Raise ``DumpError`` when the model at ``model_dir`` cannot stand in for ``dumped`` (the
     ``model_shape`` of the run, called ``ref`` in messages); returns notes on accepted
     differences (fewer experts)."""
     have = model_shape(hf_config)
     bad = [f"{k}: {ref} {dumped.get(k)!r}, model {have[k]!r}" for k in SHAPE_KEYS if dumped.get(k) != have[k]]
     if bool(dumped.get("num_experts")) != bool(have["num_experts"]):
-        bad.append(f"num_experts: {ref} {dumped.get('num_experts')}, model {have['num_experts']} "
-                   "(dense vs MoE)")
+        bad.append(
+            f"num_experts: {ref} {dumped.get('num_experts')}, model {have['num_experts']} (dense vs MoE)"
+        )
     if bad:
         raise DumpError(f"model {model_dir} does not fit the {ref}: " + "; ".join(bad))
     notes = []
     if have["num_experts"] != dumped.get("num_experts"):
         if uses_routes:
-            raise DumpError(f"model {model_dir} has {have['num_experts']} experts, the dump {dumped['num_experts']}, "
-                            "and the dumped batch replays recorded routes (routed_experts): expert ids do not "
-                            "carry over to a model with other experts")
-        notes.append(f"proxy: {have['num_experts']} routed experts (top-{have['num_experts_per_tok']}) instead "
-                     f"of {dumped['num_experts']} (top-{dumped['num_experts_per_tok']})")
+            raise DumpError(
+                f"model {model_dir} has {have['num_experts']} experts, the dump {dumped['num_experts']}, "
+                "and the dumped batch replays recorded routes (routed_experts): expert ids do not "
+                "carry over to a model with other experts"
+            )
+        notes.append(
+            f"proxy: {have['num_experts']} routed experts (top-{have['num_experts_per_tok']}) instead "
+            f"of {dumped['num_experts']} (top-{dumped['num_experts_per_tok']})"
+        )
     return notes
 
 
-def write_dump(out_dir: Path, meta: dict, batches: list[dict], state: dict,
-               weights: dict[str, torch.Tensor] | None, hf_config: dict, learner_dir: Path | None = None) -> Path:
+def plain(x, where: str = "state"):
+    """``x`` as plain containers a weights-only ``torch.load`` accepts: dataclasses become dicts,
+    numpy arrays tensors, numpy scalars Python numbers; raise ``DumpError`` naming the key path
+    (``where``) of anything else."""
+    if x is None or type(x) in (bool, int, float, str) or isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, str):
+        return str(x)
+    if type(x).__module__ == "numpy":
+        import numpy as np
+
+        if isinstance(x, np.ndarray):
+            return torch.from_numpy(x.copy())
+        if isinstance(x, np.generic):
+            return x.item()
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: plain(getattr(x, f.name), f"{where}.{f.name}") for f in dataclasses.fields(x)}
+    if isinstance(x, dict):
+        return {_plain_key(k, where): plain(v, f"{where}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        vals = [plain(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        return vals if isinstance(x, list) else tuple(vals)
+    if isinstance(x, bool):
+        return bool(x)
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return float(x)
+    raise DumpError(
+        f"{where}: a {type(x).__module__}.{type(x).__qualname__} cannot go into a dump "
+        "(only dicts, lists, tuples, str, numbers, None and tensors load weights-only)"
+    )
+
+
+def _plain_key(k, where: str):
+    """A dict key of a dump: str, int, float, bool, None or a tuple of them."""
+    if k is None or isinstance(k, (str, int, float, bool)):
+        return k
+    if isinstance(k, tuple):
+        return tuple(_plain_key(x, where) for x in k)
+    raise DumpError(f"{where}: dict key {k!r} ({type(k).__name__}) cannot go into a dump")
+
+
+def load_plain(path: Path):
+    """``torch.load(path, weights_only=True)``; a file holding anything but plain containers and
+    tensors (a pickle that would run code, a class from another program) is a ``DumpError`` naming
+    the file."""
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols before refusing a file
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError, ValueError) as e:
+        raise DumpError(
+            f"{path}: refused: not a plain megarl dump file ({_load_failure(e)}); dump files "
+            "are read weights-only and may hold only dicts, lists, tuples, str, numbers, None "
+            "and tensors"
+        ) from None
+
+
+def _load_failure(e: BaseException) -> str:
+    """The informative line of a ``torch.load`` failure (torch's first line is boilerplate)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines:
+        if not ln.startswith(("Weights only load failed", "Check the documentation", "Please file an issue")):
+            return ln
+    return lines[0] if lines else type(e).__name__
+
+
+def write_dump(
+    out_dir: Path,
+    meta: dict,
+    batches: list[dict],
+    state: dict,
+    weights: dict[str, torch.Tensor] | None,
+    hf_config: dict,
+    learner_dir: Path | None = None,
+) -> Path:
     """Write a dump atomically (rank 0 only). ``batches``: [{batch: PackedBatch, num_micro_batches,
     normalisers: GlobalNormalisers}]; ``weights``: HF-named tensors before the step (None: the dump
     points to ``meta['checkpoint_before']`` only); ``learner_dir``: a megarl learner checkpoint of
     the state before the step, moved into the dump as ``learner/``."""
     from safetensors.torch import save_file
 
+    raw_batches = plain(
+        [
+            {
+                "batch": batch_to_dict(b["batch"]),
+                "num_micro_batches": int(b["num_micro_batches"]),
+                "normalisers": dataclasses.asdict(b["normalisers"]),
+                "dp_shares": [batch_to_dict(x) for x in b.get("dp_shares") or []],
+            }
+            for b in batches
+        ],
+        "batches",
+    )
+    raw_state = plain(state, "state")
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
@@ -144,16 +252,16 @@ def write_dump(out_dir: Path, meta: dict, batches: list[dict], state: dict,
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.mkdir(parents=True)
-    torch.save([{"batch": batch_to_dict(b["batch"]), "num_micro_batches": int(b["num_micro_batches"]),
-                 "normalisers": dataclasses.asdict(b["normalisers"]),
-                 "dp_shares": [batch_to_dict(x) for x in b.get("dp_shares") or []]} for b in batches],
-               tmp / DUMP_BATCHES)
-    torch.save(state, tmp / DUMP_STATE)
+    torch.save(raw_batches, tmp / DUMP_BATCHES)
+    torch.save(raw_state, tmp / DUMP_STATE)
     if weights is not None:
         wdir = tmp / DUMP_WEIGHTS
         wdir.mkdir()
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(wdir / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            str(wdir / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (wdir / "config.json").write_text(json.dumps(hf_config, indent=1))
         meta = dict(meta, weights=DUMP_WEIGHTS)
     if learner_dir is not None and Path(learner_dir).is_dir():
@@ -176,11 +284,21 @@ def read_dump(dump_dir: str | os.PathLike) -> tuple[dict, list[dict], dict]:
         meta = json.loads((d / DUMP_META).read_text())
     except json.JSONDecodeError as e:
         raise DumpError(f"{d / DUMP_META}: not valid JSON: {e}") from None
-    raw = torch.load(d / DUMP_BATCHES, weights_only=False)
-    batches = [{"batch": batch_from_dict(r["batch"]), "num_micro_batches": r["num_micro_batches"],
-                "normalisers": GlobalNormalisers(**r["normalisers"]),
-                "dp_shares": [batch_from_dict(x) for x in r.get("dp_shares") or []]} for r in raw]
-    state = torch.load(d / DUMP_STATE, weights_only=False)
+    raw = load_plain(d / DUMP_BATCHES)
+    if not isinstance(raw, list) or not all(isinstance(r, dict) and "batch" in r for r in raw):
+        raise DumpError(f"{d / DUMP_BATCHES}: expected a list of per-optimizer-step dicts with a 'batch'")
+    batches = [
+        {
+            "batch": batch_from_dict(r["batch"]),
+            "num_micro_batches": r["num_micro_batches"],
+            "normalisers": GlobalNormalisers(**r["normalisers"]),
+            "dp_shares": [batch_from_dict(x) for x in r.get("dp_shares") or []],
+        }
+        for r in raw
+    ]
+    state = load_plain(d / DUMP_STATE)
+    if not isinstance(state, dict):
+        raise DumpError(f"{d / DUMP_STATE}: expected a dict, got {type(state).__name__}")
     return meta, batches, state
 
 
