@@ -1,6 +1,6 @@
 """Prompt datasets from jsonl or parquet files and a resumable, seeded prompt sampler.
 
-A bad row (not JSON, not an object, missing or non-string prompt, answer missing, a prompt the
+A bad row (not UTF-8, not JSON, not an object, missing or non-string prompt, answer missing, a prompt the
 tokenizer cannot encode) is reported as ``file:line: reason`` (jsonl, 1-based lines) or
 ``file: row N: reason`` (parquet, 0-based row index). ``on_bad_row="fatal"`` stops at the
 first one; ``"skip"`` skips and counts them, and more than ``max_bad_rows`` is fatal (with the
@@ -58,14 +58,29 @@ def _records(path: str) -> Iterator[tuple[str, Any]]:
         for i, rec in enumerate(table.to_pylist()):
             yield f"{path}: row {i}", rec
         return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                yield f"{path}:{lineno}", _BadJSON(f"not valid JSON ({e.msg} at column {e.colno})")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            yield from _jsonl_record(f"{path}:{lineno}", raw)
+
+
+def _jsonl_record(where: str, raw: bytes) -> Iterator[tuple[str, Any]]:
+    """(where, record) of one jsonl line (bytes, line end included); nothing for a blank line.
+
+    A line that is not UTF-8 or not JSON yields a ``_BadJSON``; columns are 1-based and do not
+    count the line end.
+    """
+    line = raw.rstrip(b"\r\n")
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        yield where, _BadJSON(f"not valid UTF-8 (byte 0x{line[e.start]:02x} at byte column {e.start + 1})")
+        return
+    if not text.strip():
+        return
+    try:
+        yield where, json.loads(text)
+    except json.JSONDecodeError as e:
+        yield where, _BadJSON(f"not valid JSON ({e.msg} at column {e.colno})")
 
 
 @dataclass(frozen=True)
@@ -73,11 +88,17 @@ class _BadJSON:
     why: str
 
 
-def load_prompt_rows(pattern: str, prompt_field: str = "prompt", answer_field: str = "answer",
-                    task_field: str = "task", prompt_template: str = "{prompt}",
-                    check_prompt: Callable[[str], None] | None = None, on_bad_row: str = "fatal",
-                    max_bad_rows: int = 10, chat: Callable[[str], str] | None = None
-                    ) -> tuple[list[PromptRow], list[str]]:
+def load_prompt_rows(
+    pattern: str,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    task_field: str = "task",
+    prompt_template: str = "{prompt}",
+    check_prompt: Callable[[str], None] | None = None,
+    on_bad_row: str = "fatal",
+    max_bad_rows: int = 10,
+    chat: Callable[[str], str] | None = None,
+) -> tuple[list[PromptRow], list[str]]:
     """Rows of every file (jsonl or parquet) matching ``pattern`` and the bad-row messages (skip mode).
 
     ``prompt_template`` is a ``str.format`` template over the row's fields (``{prompt}`` by default).
@@ -93,8 +114,9 @@ def load_prompt_rows(pattern: str, prompt_field: str = "prompt", answer_field: s
             raise DataError(msg + " (data.on_bad_row=fatal; set data.on_bad_row=skip to skip bad rows)")
         bad.append(msg)
         if len(bad) > max_bad_rows:
-            raise DataError(f"more than data.max_bad_rows={max_bad_rows} bad rows; first ones:\n  "
-                            + "\n  ".join(bad[:5]))
+            raise DataError(
+                f"more than data.max_bad_rows={max_bad_rows} bad rows; first ones:\n  " + "\n  ".join(bad[:5])
+            )
 
     for path in _files(pattern):
         for where, obj in _records(path):
@@ -131,7 +153,9 @@ def load_prompt_rows(pattern: str, prompt_field: str = "prompt", answer_field: s
                 except ValueError as e:
                     report(where, f"prompt cannot be tokenized: {e}")
                     continue
-            rows.append(PromptRow(prompt=text, answer=a, task=str(obj.get(task_field, "default")), source=where))
+            rows.append(
+                PromptRow(prompt=text, answer=a, task=str(obj.get(task_field, "default")), source=where)
+            )
     if not rows:
         raise DataError(f"{pattern}: no usable row")
     return rows, bad
@@ -175,7 +199,7 @@ class PromptSampler:
                 self.cursor = 0
                 self._order = self._permutation(self.epoch)
             take = min(n - len(out), self.num_rows - self.cursor)
-            out += self._order[self.cursor:self.cursor + take]
+            out += self._order[self.cursor : self.cursor + take]
             self.cursor += take
         return out
 
@@ -184,7 +208,9 @@ class PromptSampler:
 
     def load_state_dict(self, st: dict) -> None:
         if st["num_rows"] != self.num_rows:
-            raise DataError(f"the checkpoint's sampler saw {st['num_rows']} rows, the dataset now has "
-                            f"{self.num_rows}: the data changed since the checkpoint")
+            raise DataError(
+                f"the checkpoint's sampler saw {st['num_rows']} rows, the dataset now has "
+                f"{self.num_rows}: the data changed since the checkpoint"
+            )
         self.epoch, self.cursor, self.seed = int(st["epoch"]), int(st["cursor"]), int(st["seed"])
         self._order = self._permutation(self.epoch)
