@@ -27,13 +27,37 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MOE_CFG = dict(model_type="qwen3_moe", vocab_size=4096, hidden_size=128, intermediate_size=256,
-               moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.0,
-               tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-6)
-BIGVOCAB_CFG = dict(model_type="qwen3", vocab_size=32768, hidden_size=128, intermediate_size=256,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                    tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-6)
+MOE_CFG = dict(
+    model_type="qwen3_moe",
+    vocab_size=4096,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+)
+BIGVOCAB_CFG = dict(
+    model_type="qwen3",
+    vocab_size=32768,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+)
 LAYOUTS = {"tp1": dict(), "tp2": dict(tp=2, sequence_parallel=True), "ep2": dict(ep=2)}
 
 
@@ -47,9 +71,14 @@ def _batch(vocab: int, n_seq: int, seq_len: int, seed: int = 0):
     cu = torch.arange(0, T + 1, seq_len)
     mask = torch.ones(T)
     mask[cu[:-1]] = 0
-    return PackedBatch(tokens=torch.randint(0, vocab, (T,), generator=g), cu_seqlens=cu,
-                       prompt_lens=torch.ones(n_seq, dtype=torch.long), loss_mask=mask,
-                       group_ids=torch.arange(n_seq), advantages=torch.randn(T, generator=g))
+    return PackedBatch(
+        tokens=torch.randint(0, vocab, (T,), generator=g),
+        cu_seqlens=cu,
+        prompt_lens=torch.ones(n_seq, dtype=torch.long),
+        loss_mask=mask,
+        group_ids=torch.arange(n_seq),
+        advantages=torch.randn(T, generator=g),
+    )
 
 
 class _PG:
@@ -92,7 +121,7 @@ def worker(mode: str, layout: str, steps: int) -> None:
         ln = Learner(LearnerConfig(hf_config=BIGVOCAB_CFG, optim=OptimConfig(lr=1e-4)), groups)
         batch = _batch(BIGVOCAB_CFG["vocab_size"], 8, 256)
         if layout == "vocab_parallel":
-            lp, _ = ln.compute_logprobs(batch, with_entropy=True)
+            _lp, _ = ln.compute_logprobs(batch, with_entropy=True)
         else:  # gather [T, V] and log_softmax it: the baseline the ops avoid
             from megarl.learner.forward import align_logits
 
@@ -120,9 +149,24 @@ def launch(mode: str, layout: str, steps: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), os.path.abspath(__file__), "--worker", mode, "--layout", layout,
-           "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        os.path.abspath(__file__),
+        "--worker",
+        mode,
+        "--layout",
+        layout,
+        "--steps",
+        str(steps),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -142,14 +186,21 @@ def main() -> None:
     print(f"learner step, tiny Qwen3-MoE, 2 ranks on {os.cpu_count()} cores, 16x128 tokens, 2 micro-batches")
     res = {lay: launch("step", lay, args.steps) for lay in LAYOUTS}
     base = res["tp1"]
-    print(f"{'layout':8} {'step s':>8} {'tok/s':>8} {'peak RSS MiB':>13} {'time / tp1':>11} {'RSS / tp1':>10}")
+    print(
+        f"{'layout':8} {'step s':>8} {'tok/s':>8} {'peak RSS MiB':>13} {'time / tp1':>11} {'RSS / tp1':>10}"
+    )
     for lay, r in res.items():
-        print(f"{lay:8} {r['step_s']:8.3f} {r['tokens_per_s']:8.0f} {r['peak_rss_mib']:13.0f} "
-              f"{r['step_s'] / base['step_s']:11.2f} {r['peak_rss_mib'] / base['peak_rss_mib']:10.2f}")
+        print(
+            f"{lay:8} {r['step_s']:8.3f} {r['tokens_per_s']:8.0f} {r['peak_rss_mib']:13.0f} "
+            f"{r['step_s'] / base['step_s']:11.2f} {r['peak_rss_mib'] / base['peak_rss_mib']:10.2f}"
+        )
     print("\nlogprob pass, TP=2, vocab 32768, T=2048: peak RSS (max over ranks)")
     lp = {k: launch("logprobs", k, 0) for k in ("vocab_parallel", "gathered")}
     for k, r in lp.items():
-        print(f"{k:15} {r['peak_rss_mib']:8.0f} MiB  ({r['peak_rss_mib'] / lp['gathered']['peak_rss_mib']:.2f} x gathered)")
+        print(
+            f"{k:15} {r['peak_rss_mib']:8.0f} MiB  "
+            f"({r['peak_rss_mib'] / lp['gathered']['peak_rss_mib']:.2f} x gathered)"
+        )
     print(f"(one [T, V] fp32 copy is {2048 * 32768 * 4 / 2**20:.0f} MiB)")
 
 

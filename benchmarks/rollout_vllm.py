@@ -32,10 +32,22 @@ from megarl.rollout.types import SamplingParams
 PROMPT = [586, 28, 594, 289, 370, 13, 20, 33, 201, 591, 28]
 SIZES = {  # config overrides of the tiny-qwen3 fixture
     "small": {},
-    "medium": {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
-               "num_key_value_heads": 2, "layer_types": ["full_attention"] * 4},
-    "large": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
-              "num_key_value_heads": 4, "layer_types": ["full_attention"] * 8},
+    "medium": {
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "layer_types": ["full_attention"] * 4,
+    },
+    "large": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "layer_types": ["full_attention"] * 8,
+    },
 }
 
 
@@ -52,19 +64,33 @@ async def throughput(server, concurrency: int, requests: int, new_tokens: int) -
     async with server.client(max_concurrency=concurrency) as eng:
         await eng.generate(PROMPT, sampling=sp)  # warm-up
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(eng.generate(PROMPT, sampling=SamplingParams(
-            max_new_tokens=new_tokens, ignore_eos=True, seed=i)) for i in range(requests)))
+        res = await asyncio.gather(
+            *(
+                eng.generate(
+                    PROMPT, sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=i)
+                )
+                for i in range(requests)
+            )
+        )
         dt = time.perf_counter() - t0
     toks = sum(len(s.token_ids) for r in res for s in r.samples)
-    return {"concurrency": concurrency, "requests": requests, "tokens": toks, "seconds": round(dt, 3),
-            "tokens_per_s": round(toks / dt, 1)}
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "tokens": toks,
+        "seconds": round(dt, 3),
+        "tokens_per_s": round(toks / dt, 1),
+    }
 
 
 async def client_overhead(server, n: int) -> dict:
     body_sp = SamplingParams(max_new_tokens=1, temperature=0.0)
     async with server.client() as eng:
-        body = eng._completion_body(type("R", (), {"prompt_ids": PROMPT, "n": 1, "sampling": body_sp,
-                                                   "return_routed_experts": False})())
+        body = eng._completion_body(
+            type(
+                "R", (), {"prompt_ids": PROMPT, "n": 1, "sampling": body_sp, "return_routed_experts": False}
+            )()
+        )
         headers = {"Authorization": f"Bearer {server.keys.api_key}"}
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as raw:
             for _ in range(5):
@@ -80,8 +106,12 @@ async def client_overhead(server, n: int) -> dict:
                 await eng.generate(PROMPT, sampling=body_sp)
                 cli_t.append(time.perf_counter() - t)
     med_raw, med_cli = statistics.median(raw_t), statistics.median(cli_t)
-    return {"requests": n, "raw_httpx_median_ms": round(med_raw * 1e3, 3), "client_median_ms": round(med_cli * 1e3, 3),
-            "client_overhead_ms": round((med_cli - med_raw) * 1e3, 3)}
+    return {
+        "requests": n,
+        "raw_httpx_median_ms": round(med_raw * 1e3, 3),
+        "client_median_ms": round(med_cli * 1e3, 3),
+        "client_overhead_ms": round((med_cli - med_raw) * 1e3, 3),
+    }
 
 
 def client_cpu_cost(n: int = 2000) -> dict:
@@ -100,6 +130,7 @@ def client_cpu_cost(n: int = 2000) -> dict:
 
         async def fake_request(*a, **k):  # the recorded answer instead of the network
             return json.loads(raw)
+
         eng.request = fake_request
         sp = SamplingParams(max_new_tokens=16, seed=1)
         t = time.perf_counter()
@@ -109,6 +140,7 @@ def client_cpu_cost(n: int = 2000) -> dict:
         dt = time.perf_counter() - t
         await eng.close()
         return dt
+
     dt = asyncio.run(go())
     return {"requests": n, "samples_per_request": 4, "client_cpu_us_per_request": round(dt / n * 1e6, 1)}
 
@@ -139,21 +171,42 @@ def main() -> None:
         b = build_tiny_qwen3(work / f"{size}-b", seed=1, config_overrides=SIZES[size])
         nbytes = sum(f.stat().st_size for f in a.glob("*.safetensors"))
         t0 = time.perf_counter()
-        server = launch_vllm(VLLMServerConfig(model_dir=str(a), dtype=args.dtype, served_model_name="bench",
-                                              expose_host="127.0.0.1", max_num_seqs=32,
-                                              work_dir=str(work / f"srv-{size}")))
+        server = launch_vllm(
+            VLLMServerConfig(
+                model_dir=str(a),
+                dtype=args.dtype,
+                served_model_name="bench",
+                expose_host="127.0.0.1",
+                max_num_seqs=32,
+                work_dir=str(work / f"srv-{size}"),
+            )
+        )
         start_s = time.perf_counter() - t0
         try:
             if k == 0:
                 one = asyncio.run(throughput(server, 1, args.requests // 4, args.new_tokens))
                 many = asyncio.run(throughput(server, 32, args.requests, args.new_tokens))
-                emit(args.out, bench="throughput", model=size, one=one, many=many,
-                     ratio_32_over_1=round(many["tokens_per_s"] / one["tokens_per_s"], 2))
-                emit(args.out, bench="client_overhead", model=size, **asyncio.run(client_overhead(server, 100)))
+                emit(
+                    args.out,
+                    bench="throughput",
+                    model=size,
+                    one=one,
+                    many=many,
+                    ratio_32_over_1=round(many["tokens_per_s"] / one["tokens_per_s"], 2),
+                )
+                emit(
+                    args.out, bench="client_overhead", model=size, **asyncio.run(client_overhead(server, 100))
+                )
             times = asyncio.run(reload_times(server, [b, a], 6))
-            emit(args.out, bench="reload", model=size, checkpoint_mb=round(nbytes / 2**20, 2),
-                 server_start_s=round(start_s, 1), reload_median_s=round(statistics.median(times), 3),
-                 reload_all_s=[round(t, 3) for t in times])
+            emit(
+                args.out,
+                bench="reload",
+                model=size,
+                checkpoint_mb=round(nbytes / 2**20, 2),
+                server_start_s=round(start_s, 1),
+                reload_median_s=round(statistics.median(times), 3),
+                reload_all_s=[round(t, 3) for t in times],
+            )
         finally:
             server.stop()
 

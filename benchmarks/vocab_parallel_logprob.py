@@ -74,7 +74,9 @@ def _variant(name: str, T: int, V: int, rank: int, world: int, port: int, backwa
             lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             ent = -(logp.exp() * logp).sum(-1)
         else:
-            lp, ent = vocab_parallel_logprobs_entropy(x, targets, group, inplace_backward=(name == "megarl-inplace"))
+            lp, ent = vocab_parallel_logprobs_entropy(
+                x, targets, group, inplace_backward=(name == "megarl-inplace")
+            )
         if backward:
             (lp.sum() + 0.1 * ent.sum()).backward()
         elapsed = time.perf_counter() - t0
@@ -90,7 +92,9 @@ def run(name: str, T: int, V: int, world: int, backward: bool) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_variant, args=(name, T, V, r, world, port, backward, q)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_variant, args=(name, T, V, r, world, port, backward, q)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     res = [q.get() for _ in procs]
@@ -104,23 +108,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--backward-tokens", type=int, default=None,
-                    help="T for the forward+backward rows (default: --tokens). The naive backward at T=8192, "
-                         "V=151936 needs ~25 GiB besides the logits: more than a 24 GiB machine has.")
+    ap.add_argument(
+        "--backward-tokens",
+        type=int,
+        default=None,
+        help="T for the forward+backward rows (default: --tokens). The naive backward at T=8192, "
+        "V=151936 needs ~25 GiB besides the logits: more than a 24 GiB machine has.",
+    )
     args = ap.parse_args()
     V = args.vocab
     rows = []
     for backward in (False, True):
         T = args.backward_tokens if (backward and args.backward_tokens) else args.tokens
-        print(f"{'forward+backward' if backward else 'forward only'}: T={T} V={V}, "
-              f"fp32 logits {T * V * 4 / 2**30:.2f} GiB (not counted)")
+        print(
+            f"{'forward+backward' if backward else 'forward only'}: T={T} V={V}, "
+            f"fp32 logits {T * V * 4 / 2**30:.2f} GiB (not counted)"
+        )
         phase = "forward+backward" if backward else "forward only"
         naive = run("naive", T, V, 1, backward)
         rows.append((phase, "naive torch log_softmax (TP=1)", naive, naive))
-        variants = [("megarl", 1), ("megarl", 2)] + ([("megarl-inplace", 1), ("megarl-inplace", 2)] if backward else [])
+        variants = [("megarl", 1), ("megarl", 2)] + (
+            [("megarl-inplace", 1), ("megarl-inplace", 2)] if backward else []
+        )
         for name, world in variants:
             rows.append((phase, f"{name} TP={world} (per rank)", run(name, T, V, world, backward), naive))
-    print(f"{'phase':<17} {'variant':<34} {'time s':>8} {'extra GiB':>10} {'time ratio':>11} {'mem ratio':>10}")
+    print(
+        f"{'phase':<17} {'variant':<34} {'time s':>8} {'extra GiB':>10} {'time ratio':>11} {'mem ratio':>10}"
+    )
     out = []
     for phase, label, r, base in rows:
         tr = r["time_s"] / base["time_s"]

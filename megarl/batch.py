@@ -15,6 +15,7 @@ sequence before calling an objective).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -106,8 +107,11 @@ class PackedBatch:
         ids = torch.as_tensor(seq_ids, dtype=torch.long)
         lens = self.seq_lens[ids]
         starts = self.cu_seqlens[:-1][ids]
-        tok_idx = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist())]) \
-            if ids.numel() else torch.zeros(0, dtype=torch.long)
+        tok_idx = (
+            torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist())])
+            if ids.numel()
+            else torch.zeros(0, dtype=torch.long)
+        )
         cu = torch.zeros(ids.numel() + 1, dtype=torch.long)
         cu[1:] = torch.cumsum(lens, 0)
         kw = {}
@@ -131,14 +135,16 @@ class PackedBatch:
         """Split into ``num_micro_batches`` contiguous runs of whole sequences (sizes differ by <= 1)."""
         if num_micro_batches < 1 or num_micro_batches > max(self.num_seqs, 1):
             raise BatchValidationError(
-                f"num_micro_batches={num_micro_batches} must be in [1, num_seqs={self.num_seqs}]")
+                f"num_micro_batches={num_micro_batches} must be in [1, num_seqs={self.num_seqs}]"
+            )
         bounds = torch.linspace(0, self.num_seqs, num_micro_batches + 1).round().long().tolist()
-        return [self.select(list(range(a, b))) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [self.select(list(range(a, b))) for a, b in itertools.pairwise(bounds)]
 
 
 @dataclass
 class PaddedBatch:
-    """The same B sequences padded to ``[B, L]`` (reference/'s layout); ``attention_mask`` marks real tokens."""
+    """The same B sequences padded to ``[B, L]`` (reference/'s layout); ``attention_mask`` marks real
+    tokens."""
 
     tokens: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L] bool
@@ -155,8 +161,9 @@ def pack(padded: PaddedBatch) -> PackedBatch:
     cu = torch.zeros(lens.numel() + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lens, 0)
     kw = {name: t[am] for name, t in padded.per_token.items()}
-    return PackedBatch(tokens=padded.tokens[am], cu_seqlens=cu, loss_mask=padded.loss_mask[am],
-                       **kw, **padded.per_seq)
+    return PackedBatch(
+        tokens=padded.tokens[am], cu_seqlens=cu, loss_mask=padded.loss_mask[am], **kw, **padded.per_seq
+    )
 
 
 def unpack(packed: PackedBatch, pad_to: int | None = None, pad_id: int = 0) -> PaddedBatch:
@@ -182,19 +189,29 @@ def unpack(packed: PackedBatch, pad_to: int | None = None, pad_id: int = 0) -> P
             per_token[name] = scatter(v, 0)
     if packed.routed_experts is not None:
         per_token["routed_experts"] = scatter(packed.routed_experts, -1)
-    per_seq = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)
-               if f.name not in ("tokens", "cu_seqlens", "loss_mask", "routed_experts") + TOKEN_FIELDS}
-    return PaddedBatch(tokens=scatter(packed.tokens, pad_id), attention_mask=am,
-                       loss_mask=scatter(packed.loss_mask, 0), per_token=per_token, per_seq=per_seq)
+    per_seq = {
+        f.name: getattr(packed, f.name)
+        for f in dataclasses.fields(packed)
+        if f.name not in ("tokens", "cu_seqlens", "loss_mask", "routed_experts") + TOKEN_FIELDS
+    }
+    return PaddedBatch(
+        tokens=scatter(packed.tokens, pad_id),
+        attention_mask=am,
+        loss_mask=scatter(packed.loss_mask, 0),
+        per_token=per_token,
+        per_seq=per_seq,
+    )
 
 
-def from_sequences(prompts: list[list[int]], responses: list[list[int]], group_ids: list[int],
-                   **per_seq) -> PackedBatch:
+def from_sequences(
+    prompts: list[list[int]], responses: list[list[int]], group_ids: list[int], **per_seq
+) -> PackedBatch:
     """Build a packed batch from token-id lists; the loss mask covers the response tokens."""
     if len(prompts) != len(responses) or len(prompts) != len(group_ids):
         raise BatchValidationError(
             f"prompts ({len(prompts)}), responses ({len(responses)}) and group_ids ({len(group_ids)}) "
-            "must have the same length")
+            "must have the same length"
+        )
     toks, mask, lens = [], [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if len(p) == 0:
@@ -204,12 +221,18 @@ def from_sequences(prompts: list[list[int]], responses: list[list[int]], group_i
         lens.append(len(p) + len(r))
     cu = torch.zeros(len(lens) + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
-    conv = {k: (torch.as_tensor(v) if not isinstance(v, (torch.Tensor, type(None))) and k != "turn_spans"
-                else v) for k, v in per_seq.items()}
-    return PackedBatch(tokens=torch.tensor(toks, dtype=torch.long), cu_seqlens=cu,
-                       prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
-                       loss_mask=torch.tensor(mask), group_ids=torch.as_tensor(group_ids, dtype=torch.long),
-                       **conv).validate()
+    conv = {
+        k: (torch.as_tensor(v) if not isinstance(v, (torch.Tensor, type(None))) and k != "turn_spans" else v)
+        for k, v in per_seq.items()
+    }
+    return PackedBatch(
+        tokens=torch.tensor(toks, dtype=torch.long),
+        cu_seqlens=cu,
+        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+        loss_mask=torch.tensor(mask),
+        group_ids=torch.as_tensor(group_ids, dtype=torch.long),
+        **conv,
+    ).validate()
 
 
 # --------------------------------------------------------------------------------- validation
@@ -249,7 +272,11 @@ def _validate_packed(b: PackedBatch) -> None:
     badp = ((b.prompt_lens < 1) | (b.prompt_lens > lens)).nonzero().flatten()
     if badp.numel():
         i = int(badp[0])
-        _fail("prompt_lens", f"prompt length {int(b.prompt_lens[i])} outside [1, sequence length {int(lens[i])}]", i)
+        _fail(
+            "prompt_lens",
+            f"prompt length {int(b.prompt_lens[i])} outside [1, sequence length {int(lens[i])}]",
+            i,
+        )
     if b.rewards is not None:
         if b.rewards.dim() not in (1, 2) or b.rewards.shape[0] != B:
             _fail("rewards", f"expected shape [B={B}] or [B={B}, K], got {tuple(b.rewards.shape)}")
@@ -275,8 +302,11 @@ def _validate_packed(b: PackedBatch) -> None:
     first = cu[:-1]
     onfirst = (m[first] != 0).nonzero().flatten()
     if onfirst.numel():
-        _fail("loss_mask", "the first token of a sequence has no logprob and cannot be in the loss",
-              int(onfirst[0]))
+        _fail(
+            "loss_mask",
+            "the first token of a sequence has no logprob and cannot be in the loss",
+            int(onfirst[0]),
+        )
     # Loss tokens must lie in the response (after the prompt).
     pos = torch.arange(T) - torch.repeat_interleave(first, lens)
     plen_tok = torch.repeat_interleave(b.prompt_lens, lens)
@@ -284,8 +314,11 @@ def _validate_packed(b: PackedBatch) -> None:
     if inprompt.numel():
         t = int(inprompt[0])
         seq = int(torch.searchsorted(cu, torch.tensor(t), right=True)) - 1
-        _fail("loss_mask", f"token {int(pos[t])} is inside the prompt (prompt length {int(b.prompt_lens[seq])})",
-              seq)
+        _fail(
+            "loss_mask",
+            f"token {int(pos[t])} is inside the prompt (prompt length {int(b.prompt_lens[seq])})",
+            seq,
+        )
     for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs", "teacher_logprobs", "advantages"):
         v = getattr(b, name)
         if v is None:
@@ -322,10 +355,11 @@ def validate_groups(b: PackedBatch, min_group_size: int = 1) -> None:
     if small.numel():
         g = int(gids[small[0]])
         seq = int((b.group_ids == g).nonzero()[0])
-        _fail("group_ids", f"group {g} has {int(counts[small[0]])} sequence(s), needs >= {min_group_size}", seq)
+        _fail(
+            "group_ids", f"group {g} has {int(counts[small[0]])} sequence(s), needs >= {min_group_size}", seq
+        )
     ntok = segment_sum(b.loss_mask.double(), b.cu_seqlens)
     for g in gids.tolist():
         sel = b.group_ids == g
         if float(ntok[sel].sum()) == 0:
             _fail("loss_mask", f"group {g} has no loss token (empty group)", int(sel.nonzero()[0]))
-

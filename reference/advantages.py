@@ -19,11 +19,13 @@ def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
     return mean, std
 
 
-def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True,
-         eps: float = 1e-6) -> torch.Tensor:
+def grpo(
+    rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO group-relative advantage.
 
-    A_i = (R_i - mean_g R) / (std_g R + ε)     (std unbiased; scale_by_std=False gives Dr.GRPO: R_i - mean_g R)
+    A_i = (R_i - mean_g R) / (std_g R + ε)     (std unbiased)
+    scale_by_std=False gives Dr.GRPO: A_i = R_i - mean_g R.
     A group whose rewards are all equal gets A = 0 exactly.
     Provenance: DeepSeekMath (Shao et al. 2024); Dr.GRPO (Liu et al. 2025) drops the std.
     rewards, group_ids: [B] -> [B]
@@ -68,8 +70,13 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Ten
     return (x - mean) / (std + eps) * mask
 
 
-def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                 kl_coef: float = 0.0, gamma: float = 1.0) -> torch.Tensor:
+def reinforce_pp(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+) -> torch.Tensor:
     """REINFORCE++: per-token discounted return of (outcome reward at the last response token
     minus β·KL per token), whitened over all response tokens of the batch.
 
@@ -98,8 +105,13 @@ def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, mask: 
     return _whiten(adv.unsqueeze(-1) * mask.to(rewards.dtype), mask)
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the response tokens of each sequence.
 
     δ_t = r_t + γ V_{t+1} - V_t   (V after the last response token is 0)
@@ -108,7 +120,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     Provenance: Schulman et al. 2016.
     token_rewards, values, mask: [B, L] -> (advantages [B, L], returns [B, L]), 0 off the mask
     """
-    B, L = mask.shape
+    B = mask.shape[0]
     adv = torch.zeros_like(values)
     for b in range(B):
         idx = mask[b].nonzero().flatten().tolist()

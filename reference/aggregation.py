@@ -14,7 +14,9 @@ import torch
 MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: float | None = None) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: float | None = None
+) -> torch.Tensor:
     """Aggregate per-token losses with one of MODES.
 
     loss, mask: [B, L]; max_len: the L_max constant of seq-mean-token-sum-norm (defaults to the

@@ -6,10 +6,12 @@ corrects for the gap. Each correction returns a detached per-token multiplier c_
 loss; when no threshold triggers, every one of them equals plain IS, c_t = w_t.
 
   none              c = 1
-  tis               c = min(w, C)                              truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL")
+  tis               c = min(w, C)                              truncated IS (Yao et al. 2025)
   mis               c = w · 1[w <= C]                          masked IS: drop tokens above the cap
-  icepop            c = w · 1[α <= w <= β]                     IcePop (Ring-1T, inclusionAI 2025): two-sided token filter
+  icepop            c = w · 1[α <= w <= β]                     IcePop: two-sided token filter
   seq_geo_mask      c = w · 1[lo <= ρ_b <= hi],  ρ_b = exp(mean_t log w_t)   sequence geometric-mean mask
+Papers: truncated IS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL";
+IcePop: Ring-1T (inclusionAI 2025).
 Provenance: the papers named above, as implemented by peers (verl rollout_corr); thresholds are knobs.
 """
 

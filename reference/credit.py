@@ -37,7 +37,9 @@ def softmax_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, temperature: fl
 
 
 # ------------------------------------------------------------------------------------------- TACO
-def taco_weights(logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01, lam: float = 0.9) -> torch.Tensor:
+def taco_weights(
+    logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01, lam: float = 0.9
+) -> torch.Tensor:
     """TACO tail-risk token weight.
 
     r_tail = −ℓ − H + log α;   w = 1 if r_tail ≤ 0 else 1 − λ(1 − exp(−r_tail))     (w ∈ [1−λ, 1])
@@ -53,15 +55,18 @@ def taco_weights(logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01,
     return out
 
 
-def taco_advantages(adv: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01,
-                    lam: float = 0.9) -> torch.Tensor:
+def taco_advantages(
+    adv: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01, lam: float = 0.9
+) -> torch.Tensor:
     """TACO credit: Ã = w·A where A > 0, A elsewhere (no gradient through w).  All [B, L]."""
     w = taco_weights(logp.detach(), entropy.detach(), alpha, lam)
     return torch.where(adv > 0, w * adv, adv).detach()
 
 
 # ------------------------------------------------------------------------------------------- GEPO
-def gepo_group_entropy(entropies: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> dict[int, float]:
+def gepo_group_entropy(
+    entropies: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor
+) -> dict[int, float]:
     """H_g: mean entropy over every loss token of the group's rollouts.  entropies, mask: [B, L]."""
     out = {}
     for g in torch.unique(group_ids).tolist():
@@ -71,9 +76,17 @@ def gepo_group_entropy(entropies: torch.Tensor, mask: torch.Tensor, group_ids: t
     return out
 
 
-def gepo(rewards: torch.Tensor, group_ids: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
-         hist_mean: float | None, hist_sq: float | None, k: float = 0.5, beta: float = 0.9,
-         eps: float = 1e-6) -> tuple[torch.Tensor, float, float]:
+def gepo(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    hist_mean: float | None,
+    hist_sq: float | None,
+    k: float = 0.5,
+    beta: float = 0.9,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, float, float]:
     """GEPO: GRPO advantages with group-entropy-conditioned asymmetric attenuation.
 
     H_lo = μ_H − kσ_H, H_hi = μ_H + kσ_H from the history (EMA of mean and of mean square of H_g);
@@ -88,7 +101,7 @@ def gepo(rewards: torch.Tensor, group_ids: torch.Tensor, entropies: torch.Tensor
     """
     hg = gepo_group_entropy(entropies, mask, group_ids)
     vals = torch.tensor(list(hg.values()), dtype=torch.float64)
-    batch_mean, batch_sq = float(vals.mean()), float((vals ** 2).mean())
+    batch_mean, batch_sq = float(vals.mean()), float((vals**2).mean())
     mu, sq = (batch_mean, batch_sq) if hist_mean is None else (hist_mean, hist_sq)
     sigma = math.sqrt(max(sq - mu * mu, 0.0)) + eps
     lo, hi = mu - k * sigma, mu + k * sigma
@@ -108,8 +121,15 @@ def gepo(rewards: torch.Tensor, group_ids: torch.Tensor, entropies: torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------- DASH
-def dash(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, prompt_lens: torch.Tensor,
-         checkpoints: list[list[tuple[int, int]]], beta: float = 0.5, beta_drift: float = 0.5) -> torch.Tensor:
+def dash(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    checkpoints: list[list[tuple[int, int]]],
+    beta: float = 0.5,
+    beta_drift: float = 0.5,
+) -> torch.Tensor:
     """DASH segment-level credit.
 
     A trace is cut at its intermediate answer commitments: checkpoint k = (end_k, c_k), end_k the
@@ -159,9 +179,16 @@ def _zscore(vals: list[float], eps: float, scale_by_std: bool) -> list[float]:
     return d.tolist()
 
 
-def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, state_keys: list[list[int]],
-          step_rewards: list[list[float]], gamma: float = 0.95, omega: float = 1.0,
-          scale_by_std: bool = True, eps: float = 1e-6) -> list[list[float]]:
+def gigpo(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    state_keys: list[list[int]],
+    step_rewards: list[list[float]],
+    gamma: float = 0.95,
+    omega: float = 1.0,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> list[list[float]]:
     """GiGPO per-step advantages: A_{i,t} = A^E_i + ω·A^S_{i,t}.
 
     A^E_i: GRPO of the episode returns R_i inside the group (no std scaling if scale_by_std=False).
@@ -189,9 +216,16 @@ def gigpo(rewards: torch.Tensor, group_ids: torch.Tensor, state_keys: list[list[
     return [[float(ep[i]) + omega * a for a in row] for i, row in enumerate(out)]
 
 
-def pgpo(rewards: torch.Tensor, group_ids: torch.Tensor, state_keys: list[list[int]],
-         step_rewards: list[list[float]], gamma: float = 1.0, omega: float = 1.0, normalise: bool = True,
-         eps: float = 1e-6) -> list[list[float]]:
+def pgpo(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    state_keys: list[list[int]],
+    step_rewards: list[list[float]],
+    gamma: float = 1.0,
+    omega: float = 1.0,
+    normalise: bool = True,
+    eps: float = 1e-6,
+) -> list[list[float]]:
     """PGPO per-step advantages from anchor-state potentials.
 
     G_{i,t} = Σ_{u≥t} γ^{u−t} r_{i,u};  Φ(s) = mean of G over the group's visits of state s;
@@ -225,8 +259,12 @@ def pgpo(rewards: torch.Tensor, group_ids: torch.Tensor, state_keys: list[list[i
     return [[float(ep[i]) + omega * a for a in row] for i, row in enumerate(out)]
 
 
-def steps_to_tokens(step_adv: list[list[float]], episode_adv: torch.Tensor, spans: list[list[tuple[int, int]]],
-                    mask: torch.Tensor) -> torch.Tensor:
+def steps_to_tokens(
+    step_adv: list[list[float]],
+    episode_adv: torch.Tensor,
+    spans: list[list[tuple[int, int]]],
+    mask: torch.Tensor,
+) -> torch.Tensor:
     """Broadcast per-step advantages to the tokens of each step's span [start, end); loss tokens in
     no span get the episode advantage.  mask: [B, L] -> [B, L]."""
     out = torch.zeros_like(mask, dtype=episode_adv.dtype)

@@ -14,7 +14,9 @@ Full-vocabulary KL per token, from student logits z_s and teacher logits z_t:
 import torch
 
 
-def sampled_reverse_kl(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+def sampled_reverse_kl(
+    logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor
+) -> torch.Tensor:
     """Per-token sampled reverse-KL policy-gradient loss.  [B, L] -> [B, L]"""
     return -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach())
 

@@ -15,14 +15,32 @@ from reference import aggregation, corrections, distillation, kl, logprobs, poli
 KL_ESTIMATORS = {"k1": kl.kl_k1, "k2": kl.kl_k2, "k3": kl.kl_k3, "k3_k2grad": kl.kl_k3_value_k2_grad}
 
 
-def rl_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
-            old_logp: torch.Tensor, *, policy_loss: str = "ppo", clip_low: float = 0.2,
-            clip_high: float = 0.28, dual_clip: float | None = None, aggregation_mode: str = "token-mean",
-            max_len: float | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-            ref_logp: torch.Tensor | None = None, entropy_coef: float = 0.0, correction: str = "none",
-            rollout_logp: torch.Tensor | None = None, corr_low: float = 0.5, corr_high: float = 2.0,
-            distill: str = "none", distill_coef: float = 0.0, teacher_logp: torch.Tensor | None = None,
-            teacher_logits: torch.Tensor | None = None) -> torch.Tensor:
+def rl_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    old_logp: torch.Tensor,
+    *,
+    policy_loss: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    aggregation_mode: str = "token-mean",
+    max_len: float | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    ref_logp: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    correction: str = "none",
+    rollout_logp: torch.Tensor | None = None,
+    corr_low: float = 0.5,
+    corr_high: float = 2.0,
+    distill: str = "none",
+    distill_coef: float = 0.0,
+    teacher_logp: torch.Tensor | None = None,
+    teacher_logits: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Composed loss; every tensor is padded [B, L] (logits [B, L, V]). Returns a scalar."""
     logp = logprobs.token_logprobs(logits, tokens)
     if policy_loss == "ppo":
@@ -49,7 +67,9 @@ def rl_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, adv:
     elif correction == "seq_geo_mask":
         pg = pg * corrections.seq_geo_mask(old_logp, rollout_logp, mask, corr_low, corr_high)
 
-    agg = lambda x: aggregation.aggregate(x, mask, aggregation_mode, max_len)
+    def agg(x):
+        return aggregation.aggregate(x, mask, aggregation_mode, max_len)
+
     loss = agg(pg)
     if kl_coef:
         loss = loss + kl_coef * agg(KL_ESTIMATORS[kl_estimator](logp, ref_logp))

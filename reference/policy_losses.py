@@ -8,8 +8,14 @@ masked by the aggregation.
 import torch
 
 
-def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
-             eps_high: float = 0.28, dual_clip: float | None = None) -> torch.Tensor:
+def ppo_clip(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
     """PPO clipped surrogate with asymmetric clip range (DAPO clip-higher) and optional dual clip.
 
     ℓ = max(-r A, -clip(r, 1-ε_low, 1+ε_high) A)
@@ -25,8 +31,14 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_
     return loss
 
 
-def gspo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-         eps_low: float = 3e-4, eps_high: float = 4e-4) -> torch.Tensor:
+def gspo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> torch.Tensor:
     """GSPO: PPO clipping on the length-normalised sequence ratio.
 
     s_b = exp( (1/n_b) Σ_t m (logp - old_logp) )
@@ -41,8 +53,13 @@ def gspo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: to
     return torch.maximum(-s * adv, -torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv)
 
 
-def cispo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float = 1e9,
-          eps_high: float = 0.28) -> torch.Tensor:
+def cispo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float = 1e9,
+    eps_high: float = 0.28,
+) -> torch.Tensor:
     """CISPO: clip the importance weight, not the update; every token keeps a gradient.
 
     ℓ = -sg(clip(r, 1-ε_low, 1+ε_high)) · A · logp
@@ -53,8 +70,13 @@ def cispo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low
     return -w * adv * logp
 
 
-def dppo_tv(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, delta_low: float = 0.2,
-            delta_high: float = 0.28) -> torch.Tensor:
+def dppo_tv(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    delta_low: float = 0.2,
+    delta_high: float = 0.28,
+) -> torch.Tensor:
     """DPPO with a total-variation trust region on the sampled token's probability.
 
     p = exp(logp), p_old = exp(old_logp)
@@ -67,8 +89,13 @@ def dppo_tv(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, delta
     return -adv * torch.exp(logp - old_logp) * valid.detach()
 
 
-def dppo_kl(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, delta_low: float = 0.2,
-            delta_high: float = 0.28) -> torch.Tensor:
+def dppo_kl(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    delta_low: float = 0.2,
+    delta_high: float = 0.28,
+) -> torch.Tensor:
     """DPPO with a binary-KL trust region on the sampled token.
 
     KL_b = p_old (log p_old - log p) + (1 - p_old) log((1 - p_old)/(1 - p))
@@ -79,6 +106,7 @@ def dppo_kl(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, delta
     p, p_old = torch.exp(logp), torch.exp(old_logp)
     tiny = torch.finfo(logp.dtype).tiny
     kl_b = p_old * (old_logp - logp) + (1 - p_old) * (
-        torch.log((1 - p_old).clamp(min=tiny)) - torch.log((1 - p).clamp(min=tiny)))
+        torch.log((1 - p_old).clamp(min=tiny)) - torch.log((1 - p).clamp(min=tiny))
+    )
     valid = torch.where(adv > 0, (kl_b <= delta_high) | (p <= p_old), (kl_b <= delta_low) | (p >= p_old))
     return -adv * torch.exp(logp - old_logp) * valid.to(logp.dtype).detach()

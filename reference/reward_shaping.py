@@ -17,8 +17,13 @@ BASES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
 
 
 # ------------------------------------------------------------------------------------------- RSPO
-def rspo(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, base: str = "grpo",
-         reading: str = "A") -> torch.Tensor:
+def rspo(
+    outcome: torch.Tensor,
+    process: torch.Tensor,
+    group_ids: torch.Tensor,
+    base: str = "grpo",
+    reading: str = "A",
+) -> torch.Tensor:
     """RSPO advantages (reward swap between outcome and dense process rewards).
 
     Reading A: per group, A = base(R^out) if the group's outcome rewards are not all equal, else
@@ -64,13 +69,19 @@ def ngram_precision(response: list, source: list, n: int = 3) -> float:
     n = min(n, len(response))
     if n == 0:
         return 0.0
-    src = [tuple(source[j:j + n]) for j in range(len(source) - n + 1)]
-    grams = [tuple(response[j:j + n]) for j in range(len(response) - n + 1)]
+    src = [tuple(source[j : j + n]) for j in range(len(source) - n + 1)]
+    grams = [tuple(response[j : j + n]) for j in range(len(response) - n + 1)]
     return sum(1 for gram in grams if gram in src) / len(grams)
 
 
-def reward_floor(rewards: torch.Tensor, responses: list[str], sources: list[str], n: int = 3,
-                 threshold: float = 0.5, floor: float = 0.0) -> torch.Tensor:
+def reward_floor(
+    rewards: torch.Tensor,
+    responses: list[str],
+    sources: list[str],
+    n: int = 3,
+    threshold: float = 0.5,
+    floor: float = 0.0,
+) -> torch.Tensor:
     """Rule-based reward floor against verbatim copying.
 
     copy(y, s) = 1[ngram_precision_n(words(y), words(s)) ≥ θ];  R(y) = r_floor if copy else R_J(y)
@@ -86,10 +97,22 @@ def reward_floor(rewards: torch.Tensor, responses: list[str], sources: list[str]
 
 
 # -------------------------------------------------------------------------------------- AMRP
-def amrp_step(state: dict, rewards: torch.Tensor, beta: float = 0.9, window: int = 10, a: float = 1.0,
-              b: float = 1.0, tau: float = 0.5, eta: float = 0.1, w_min: float = 0.02, g0: float = 0.01,
-              delta: float = 1e-8, r_min: list | None = None, r_max: list | None = None,
-              normalise: str = "minmax") -> tuple[torch.Tensor, dict]:
+def amrp_step(
+    state: dict,
+    rewards: torch.Tensor,
+    beta: float = 0.9,
+    window: int = 10,
+    a: float = 1.0,
+    b: float = 1.0,
+    tau: float = 0.5,
+    eta: float = 0.1,
+    w_min: float = 0.02,
+    g0: float = 0.01,
+    delta: float = 1e-8,
+    r_min: list | None = None,
+    r_max: list | None = None,
+    normalise: str = "minmax",
+) -> tuple[torch.Tensor, dict]:
     """One AMRP step: update the K aggregation weights from this batch, then scalarise.
 
     μ_k = batch mean of dimension k;  bounds [r_min, r_max] given, or the running min/max of rewards
@@ -104,8 +127,10 @@ def amrp_step(state: dict, rewards: torch.Tensor, beta: float = 0.9, window: int
     state: {} at the start; rewards: [B, K] -> (R [B], new state)
     """
     B, K = rewards.shape
-    st = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
-          for k, v in state.items()}
+    st = {
+        k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
+        for k, v in state.items()
+    }
     mu = torch.tensor([float(rewards[:, k].mean()) for k in range(K)], dtype=torch.float64)
     if r_min is not None:
         lo, hi = torch.tensor(r_min, dtype=torch.float64), torch.tensor(r_max, dtype=torch.float64)
@@ -148,8 +173,9 @@ def amrp_step(state: dict, rewards: torch.Tensor, beta: float = 0.9, window: int
             norm[:, k] = (col - col.min()) / (col.max() - col.min())
         else:
             norm[:, k] = (col - col.mean()) / col.std(unbiased=False)
-    R = torch.tensor([sum(float(st["w"][k]) * float(norm[i, k]) for k in range(K)) for i in range(B)],
-                     dtype=torch.float64)
+    R = torch.tensor(
+        [sum(float(st["w"][k]) * float(norm[i, k]) for k in range(K)) for i in range(B)], dtype=torch.float64
+    )
     return R, st
 
 
@@ -180,9 +206,17 @@ def rubric_keep_mask(seed: int, step: int, prompt_uid: int, num_criteria: int, p
     return keep
 
 
-def rubric_dropout(scores: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, prompt_uids: torch.Tensor,
-                   step: int, p: float = 0.3, seed: int = 0, train: bool = True,
-                   keep_pitfalls: bool = True) -> torch.Tensor:
+def rubric_dropout(
+    scores: torch.Tensor,
+    weights: torch.Tensor,
+    valid: torch.Tensor,
+    prompt_uids: torch.Tensor,
+    step: int,
+    p: float = 0.3,
+    seed: int = 0,
+    train: bool = True,
+    keep_pitfalls: bool = True,
+) -> torch.Tensor:
     """Rubric reward with criteria dropped per (step, prompt), shared by every rollout of the prompt.
 
     R_i = Σ_k M_k w_k s_k(y_i) / Σ_k M_k w_k⁺    (w⁺: positive weights; negative-weight "pitfall"
@@ -211,8 +245,15 @@ def rubric_dropout(scores: torch.Tensor, weights: torch.Tensor, valid: torch.Ten
 
 
 # ------------------------------------------------------------------------------------ CEDAR-GRPO
-def cedar_reward(correct: list[int], covered: list[list[int]], direction: list[float], lambda_c: float = 0.5,
-                 lambda_d: float = 0.5, gate: str = "none", wrong_weight: float = 0.5) -> torch.Tensor:
+def cedar_reward(
+    correct: list[int],
+    covered: list[list[int]],
+    direction: list[float],
+    lambda_c: float = 0.5,
+    lambda_d: float = 0.5,
+    gate: str = "none",
+    wrong_weight: float = 0.5,
+) -> torch.Tensor:
     """CEDAR composite reward.
 
     R = a + g(a)·(λ_c·(1/m)Σ_j covered(e_j, y) + λ_d·d(y)),   coverage 0 when there is no evidence item
@@ -257,12 +298,18 @@ def rrpo_scores(resp: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> tor
     out = []
     for y in resp:
         sp = torch.stack([_cos(y, p) for p in pos]).mean()
-        sn = torch.stack([_cos(y, n) for n in neg]).mean() if neg.shape[0] else torch.zeros((), dtype=resp.dtype)
+        sn = (
+            torch.stack([_cos(y, n) for n in neg]).mean()
+            if neg.shape[0]
+            else torch.zeros((), dtype=resp.dtype)
+        )
         out.append(sp - sn)
     return torch.stack(out)
 
 
-def rrpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = False) -> torch.Tensor:
+def rrpo_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = False
+) -> torch.Tensor:
     """A_i = S_i − mean_group S (÷ std with scale_by_std): group-centred anchor-alignment scores.
     Provenance: ABSTRACT (group-centred scores as advantages; head frozen during policy optimisation)."""
     return grpo(scores, group_ids, scale_by_std=scale_by_std)
@@ -273,8 +320,10 @@ def care_reward(scores: torch.Tensor, weights: list[float]) -> torch.Tensor:
     """R(y) = Σ_k w_k s_k(y) / Σ_k w_k  (scores [B, K] in [0, 1], weights >= 0) -> [B].
     Provenance: RECONSTRUCTED (methods-b.md §2)."""
     tot = sum(weights)
-    return torch.tensor([sum(w * float(s[k]) for k, w in enumerate(weights)) / tot if tot > 0 else 0.0
-                         for s in scores], dtype=torch.float64)
+    return torch.tensor(
+        [sum(w * float(s[k]) for k, w in enumerate(weights)) / tot if tot > 0 else 0.0 for s in scores],
+        dtype=torch.float64,
+    )
 
 
 def care_trigger(r_best: float, r_anchor: float, pref_anchor: float) -> str:

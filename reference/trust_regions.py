@@ -15,8 +15,13 @@ import torch
 
 
 # --------------------------------------------------------------------------- Output Reset
-def output_reset(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                 margin: float = math.log(1.2), adv_power: float = 1.0) -> torch.Tensor:
+def output_reset(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    margin: float = math.log(1.2),
+    adv_power: float = 1.0,
+) -> torch.Tensor:
     """Output Reset (PPO-OR / GRPO-OR): smooth one-sided squared-margin loss in log-ratio space.
 
     ℓ = logp − old_logp                  rollout-relative token log-ratio
@@ -32,13 +37,23 @@ def output_reset(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     s = torch.sign(adv)
     e = torch.clamp(margin - s * (logp - old_logp), min=0.0)
     w = torch.where(adv != 0, adv.abs() ** adv_power, torch.zeros_like(adv))
-    return 0.5 * w * e ** 2
+    return 0.5 * w * e**2
 
 
 # --------------------------------------------------------------------------- CoKL
-def cokl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
-         response_start: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, correct: torch.Tensor,
-         temperature: float = 1.0, length_normalise: bool = False, dedup: bool = True) -> torch.Tensor:
+def cokl(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: torch.Tensor,
+    response_start: torch.Tensor,
+    lengths: torch.Tensor,
+    group_ids: torch.Tensor,
+    correct: torch.Tensor,
+    temperature: float = 1.0,
+    length_normalise: bool = False,
+    dedup: bool = True,
+) -> torch.Tensor:
     """CoKL: forward KL between the correctness-conditioned reference and policy, finite-group form.
 
     Population [ABSTRACT]: π(y|x,C) = π(y|x)·1[y∈C] / π(C|x);
@@ -64,7 +79,7 @@ def cokl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, tokens:
     for g in torch.unique(group_ids).tolist():
         members, seen = [], set()
         for i in (group_ids == g).nonzero().flatten().tolist():
-            key = tuple(tokens[i, int(response_start[i]):int(lengths[i])].tolist())
+            key = tuple(tokens[i, int(response_start[i]) : int(lengths[i])].tolist())
             if bool(correct[i]) and n[i] > 0 and not (dedup and key in seen):
                 members.append(i)
                 seen.add(key)
@@ -79,9 +94,16 @@ def cokl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, tokens:
 
 
 # --------------------------------------------------------------------------- GAPO
-def gapo_clip_bounds(adv: torch.Tensor, mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
-                     kappa: float = 1.0, eps_min: float = 0.1, eps_max: float = 1.0,
-                     adapt_low: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def gapo_clip_bounds(
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    kappa: float = 1.0,
+    eps_min: float = 0.1,
+    eps_max: float = 1.0,
+    adapt_low: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAPO's per-rollout clip bounds, adapted to the rollout's advantage magnitude.
 
     a_i   = mean_t m|A_i,t|          (= |A_i| for sequence-level advantages)
@@ -103,10 +125,20 @@ def gapo_clip_bounds(adv: torch.Tensor, mask: torch.Tensor, clip_low: float = 0.
     return lo, hi
 
 
-def gapo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-         clip_low: float = 0.2, clip_high: float = 0.28, kappa: float = 1.0, eps_min: float = 0.1,
-         eps_max: float = 1.0, adapt_low: bool = True, surrogate: str = "ppo",
-         dual_clip: float | None = None) -> torch.Tensor:
+def gapo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    kappa: float = 1.0,
+    eps_min: float = 0.1,
+    eps_max: float = 1.0,
+    adapt_low: bool = True,
+    surrogate: str = "ppo",
+    dual_clip: float | None = None,
+) -> torch.Tensor:
     """GAPO: PPO (or GSPO) clipped surrogate with the per-rollout bounds of gapo_clip_bounds.
 
     ppo:  ℓ = max(−r A, −clip(r, 1−ε_l,i, 1+ε_h,i) A)   (dual clip for A < 0 as in ppo_clip)
@@ -128,8 +160,16 @@ def gapo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: to
 
 
 # --------------------------------------------------------------------------- ESTR
-def estr(logp: torch.Tensor, behav_logp: torch.Tensor, entropy: torch.Tensor, adv: torch.Tensor,
-         eps: float = 0.5, kappa: float = 1.0, h_min: float = 0.05, is_cap: float = 2.0) -> torch.Tensor:
+def estr(
+    logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    entropy: torch.Tensor,
+    adv: torch.Tensor,
+    eps: float = 0.5,
+    kappa: float = 1.0,
+    h_min: float = 0.05,
+    is_cap: float = 2.0,
+) -> torch.Tensor:
     """ESTR: entropy-scaled trust region for asynchronous RL (truncated-IS policy gradient).
 
     δ    = logp − log μ            off-policy deviation from the behaviour (rollout-engine) policy
@@ -148,10 +188,14 @@ def estr(logp: torch.Tensor, behav_logp: torch.Tensor, entropy: torch.Tensor, ad
     return -keep * w * adv * logp
 
 
-
 # --------------------------------------------------------------------------- SAO
-def sao_clip(logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor, clip_low: float = 0.2,
-             clip_high: float = 0.28) -> torch.Tensor:
+def sao_clip(
+    logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    adv: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> torch.Tensor:
     """SAO's strict double-sided token clipping (single-rollout asynchronous optimisation).
 
     r    = exp(logp − log μ)                 μ: behaviour (rollout-engine) policy
@@ -169,9 +213,15 @@ def sao_clip(logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor, cl
 
 
 # --------------------------------------------------------------------------- EPPO
-def eppo_update(ema: torch.Tensor, seen: torch.Tensor, initial: torch.Tensor, task_ids: torch.Tensor,
-                entropy: torch.Tensor, mask: torch.Tensor, momentum: float = 0.9
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def eppo_update(
+    ema: torch.Tensor,
+    seen: torch.Tensor,
+    initial: torch.Tensor,
+    task_ids: torch.Tensor,
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    momentum: float = 0.9,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step of EPPO's per-task entropy statistics.
 
     μ_k   = Σ m·H / Σ m over the batch's tokens of task k (tasks with tokens in the batch)
@@ -196,8 +246,15 @@ def eppo_update(ema: torch.Tensor, seen: torch.Tensor, initial: torch.Tensor, ta
     return ema, seen, initial
 
 
-def eppo_task_scales(ema: torch.Tensor, seen: torch.Tensor, initial: torch.Tensor, kappa: float = 1.0,
-                     c_min: float = 0.5, c_max: float = 2.0, h_ref: str = "mean") -> torch.Tensor:
+def eppo_task_scales(
+    ema: torch.Tensor,
+    seen: torch.Tensor,
+    initial: torch.Tensor,
+    kappa: float = 1.0,
+    c_min: float = 0.5,
+    c_max: float = 2.0,
+    h_ref: str = "mean",
+) -> torch.Tensor:
     """EPPO's clip multiplier per task: c_k = clip((H̄_k / H_ref)^κ, c_min, c_max).
 
     H_ref = mean of H̄ over the tasks seen so far (h_ref = "mean") or the task's first batch
@@ -209,12 +266,20 @@ def eppo_task_scales(ema: torch.Tensor, seen: torch.Tensor, initial: torch.Tenso
     ref = initial if h_ref == "initial" else torch.full_like(ema, ema[seen].mean() if seen.any() else 0.0)
     ok = seen & (ref > 0)
     ratio = torch.where(ok, ema / torch.where(ok, ref, torch.ones_like(ref)), torch.ones_like(ema))
-    return torch.where(ok, torch.clamp(ratio ** kappa, c_min, c_max), torch.ones_like(ema))
+    return torch.where(ok, torch.clamp(ratio**kappa, c_min, c_max), torch.ones_like(ema))
 
 
-def eppo(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, task_ids: torch.Tensor,
-         task_scales: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28, adapt_low: bool = True,
-         dual_clip: float | None = None) -> torch.Tensor:
+def eppo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    task_ids: torch.Tensor,
+    task_scales: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    adapt_low: bool = True,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
     """EPPO: PPO clip with the bounds of each sample's task, (1 − ε_l·c_k, 1 + ε_h·c_k).
 
     c_k from eppo_task_scales after this step's eppo_update; samples without a task (id −1) use

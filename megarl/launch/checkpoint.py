@@ -1,16 +1,16 @@
 """Checkpoint directory convention shared by the launcher (auto-resume) and learner programs.
 
-Layout: ``CKPT_DIR/step_00000012/`` (complete checkpoints, made under a temporary name and renamed when whole) and
-``CKPT_DIR/latest`` (the name of the newest complete one, replaced atomically). A kill at any moment leaves either the
-previous or the new checkpoint as ``latest``, never a half-written one.
+Layout: ``CKPT_DIR/step_00000012/`` (complete checkpoints, made under a temporary name and renamed when whole)
+and ``CKPT_DIR/latest`` (the name of the newest complete one, replaced atomically). A kill at any moment
+leaves either the previous or the new checkpoint as ``latest``, never a half-written one.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from megarl.launch.files import atomic_write_text
 
@@ -55,5 +55,7 @@ def find_latest(ckpt_dir: Path) -> tuple[int, Path] | None:
     name = pointer.read_text().strip()
     path = Path(ckpt_dir) / name
     if not name.startswith("step_") or not path.is_dir():
-        raise FileNotFoundError(f"{pointer} names {name!r}, which is not a checkpoint directory in {ckpt_dir}")
+        raise FileNotFoundError(
+            f"{pointer} names {name!r}, which is not a checkpoint directory in {ckpt_dir}"
+        )
     return int(name.removeprefix("step_")), path

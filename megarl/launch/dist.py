@@ -1,4 +1,5 @@
-"""torch.distributed start-up from the launcher's environment, with timeouts and errors that name rank and host.
+"""torch.distributed start-up from the launcher's environment, with timeouts and errors that name rank and
+host.
 
 The launcher sets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK and MEGARL_DIST_TIMEOUT_S /
 MEGARL_DIST_BACKEND; learner programs call ``init_from_env()`` and wrap collectives in ``named_errors()``.
@@ -10,8 +11,8 @@ import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,9 @@ def _env_int(env: Mapping[str, str], key: str) -> int:
     try:
         return int(env[key])
     except KeyError:
-        raise DistributedError(f"{key} is not set: start learner ranks with python -m megarl.launch") from None
+        raise DistributedError(
+            f"{key} is not set: start learner ranks with python -m megarl.launch"
+        ) from None
 
 
 def context_from_env(env: Mapping[str, str] | None = None) -> DistContext:
@@ -49,10 +52,14 @@ def context_from_env(env: Mapping[str, str] | None = None) -> DistContext:
     backend = env.get("MEGARL_DIST_BACKEND", "auto")
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return DistContext(rank=_env_int(env, "RANK"), world_size=_env_int(env, "WORLD_SIZE"),
-                       local_rank=int(env.get("LOCAL_RANK", 0)),
-                       host=env.get("MEGARL_NODE") or socket.gethostname(), backend=backend,
-                       timeout_s=float(env.get("MEGARL_DIST_TIMEOUT_S", 1800)))
+    return DistContext(
+        rank=_env_int(env, "RANK"),
+        world_size=_env_int(env, "WORLD_SIZE"),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        host=env.get("MEGARL_NODE") or socket.gethostname(),
+        backend=backend,
+        timeout_s=float(env.get("MEGARL_DIST_TIMEOUT_S", 1800)),
+    )
 
 
 @contextlib.contextmanager
@@ -64,8 +71,10 @@ def named_errors(ctx: DistContext, what: str) -> Iterator[None]:
         raise
     except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with long messages
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DistributedError(f"{ctx.where()}: {what} failed (timeout {ctx.timeout_s:.0f}s, backend "
-                               f"{ctx.backend}): {type(exc).__name__}: {first}") from exc
+        raise DistributedError(
+            f"{ctx.where()}: {what} failed (timeout {ctx.timeout_s:.0f}s, backend "
+            f"{ctx.backend}): {type(exc).__name__}: {first}"
+        ) from exc
 
 
 def init_from_env(env: Mapping[str, str] | None = None) -> DistContext:
@@ -73,7 +82,13 @@ def init_from_env(env: Mapping[str, str] | None = None) -> DistContext:
     ctx = context_from_env(env)
     if ctx.backend == "nccl":
         torch.cuda.set_device(ctx.local_rank)
-    with named_errors(ctx, f"init_process_group with {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"):
-        dist.init_process_group(backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size,
-                                timeout=datetime.timedelta(seconds=ctx.timeout_s))
+    with named_errors(
+        ctx, f"init_process_group with {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    ):
+        dist.init_process_group(
+            backend=ctx.backend,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=datetime.timedelta(seconds=ctx.timeout_s),
+        )
     return ctx

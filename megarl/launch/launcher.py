@@ -1,13 +1,14 @@
 """Per-node launcher, run by ``srun --ntasks-per-node=1`` on every node of a job.
 
 Each launcher reads its Slurm task, checks the layout, then by role:
-- rollout nodes start the rollout server command(s), wait for their health check, publish the addresses and keep
-  the servers alive until the learner finishes (a server that exits is reported by node name);
-- learner nodes gather every rollout address, then start ``procs_per_node`` learner ranks with torch.distributed
-  variables, the address list and the checkpoint to resume from; learner node 0 also health-checks every rollout
-  server while training runs.
-SIGUSR1 / SIGTERM (pre-emption, ``--signal``, ``scontrol requeue``) are forwarded as SIGUSR1 to the learner ranks,
-which checkpoint and exit; the launcher then exits with EXIT_REQUEUE so the batch script can requeue the job.
+- rollout nodes start the rollout server command(s), wait for their health check, publish the addresses and
+  keep the servers alive until the learner finishes (a server that exits is reported by node name);
+- learner nodes gather every rollout address, then start ``procs_per_node`` learner ranks with
+  torch.distributed variables, the address list and the checkpoint to resume from; learner node 0 also
+  health-checks every rollout server while training runs.
+SIGUSR1 / SIGTERM (pre-emption, ``--signal``, ``scontrol requeue``) are forwarded as SIGUSR1 to the learner
+ranks, which checkpoint and exit; the launcher then exits with EXIT_REQUEUE so the batch script can requeue
+the job.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ EXIT_REQUEUE = 99  # stopped on a signal after the learner checkpointed: the bat
 
 @dataclass
 class LaunchOptions:
-    """Everything the launcher needs besides the Slurm environment (the CLI flags of ``python -m megarl.launch``).
+    """Everything the launcher needs besides the Slurm environment (the CLI flags of ``python -m
+    megarl.launch``).
 
     learner_cmd / rollout_cmd: argument lists; ``{placeholders}`` are filled per process (see ``format_cmd``).
     """
@@ -78,8 +80,10 @@ def format_cmd(cmd: list[str], **values: object) -> list[str]:
         try:
             out.append(arg.format(**values))
         except (KeyError, IndexError) as exc:
-            raise LayoutError(f"unknown placeholder {exc} in command argument {arg!r}; "
-                              f"known: {', '.join('{' + k + '}' for k in values)}") from None
+            raise LayoutError(
+                f"unknown placeholder {exc} in command argument {arg!r}; "
+                f"known: {', '.join('{' + k + '}' for k in values)}"
+            ) from None
     return out
 
 
@@ -118,17 +122,21 @@ class NodeLauncher:
             signal.signal(sig, self._on_signal)
         try:
             if self.task.n_tasks != self.task.n_nodes:
-                raise LayoutError(f"the launcher must run as one task per node, but the step has "
-                                  f"{self.task.n_tasks} task(s) on {self.task.n_nodes} node(s): "
-                                  f"use srun --ntasks-per-node=1")
+                raise LayoutError(
+                    f"the launcher must run as one task per node, but the step has "
+                    f"{self.task.n_tasks} task(s) on {self.task.n_nodes} node(s): "
+                    f"use srun --ntasks-per-node=1"
+                )
             check_layout(self.layout, self.task.n_nodes, self.task.gpus_on_node)
             plans = assign_roles(self.task.nodes, self.layout)
         except LayoutError as exc:
             self.log(f"ERROR config check failed: {exc}")
             return EXIT_CONFIG
         plan = plans[self.task.node_id]
-        self.log(f"role={plan.role.value} job={self.task.job_id} restart={self.task.restart_count} "
-                 f"host={self.task.hostname} layout: {self.layout.describe()}")
+        self.log(
+            f"role={plan.role.value} job={self.task.job_id} restart={self.task.restart_count} "
+            f"host={self.task.hostname} layout: {self.layout.describe()}"
+        )
         rdv = Rendezvous(self.opts.run_dir, self.task.job_id, self.task.restart_count)
         try:
             if plan.runs_rollout:
@@ -143,7 +151,9 @@ class NodeLauncher:
             if failure:
                 self.log(f"ERROR {exc} after {failure}")
                 return EXIT_FAILED
-            self.log(f"{exc}: nothing to checkpoint yet" + (", exit 99 for requeue" if plan.runs_learner else ""))
+            self.log(
+                f"{exc}: nothing to checkpoint yet" + (", exit 99 for requeue" if plan.runs_learner else "")
+            )
             return EXIT_REQUEUE if plan.runs_learner else EXIT_OK
         except LaunchFailure as exc:
             self.log(f"ERROR {exc}")
@@ -178,10 +188,18 @@ class NodeLauncher:
         L = self.layout
         for s in range(L.servers_per_node):
             port = self.opts.rollout_port + s
-            gpus = list(range(s * L.gpus_per_server, (s + 1) * L.gpus_per_server)) if L.gpus_per_server else []
-            cmd = format_cmd(self.opts.rollout_cmd, host=self.opts.rollout_bind, port=port, node=self.node,
-                             index=plan.rollout_index * L.servers_per_node + s,
-                             gpus=",".join(map(str, gpus)), run_dir=self.opts.run_dir)
+            gpus = (
+                list(range(s * L.gpus_per_server, (s + 1) * L.gpus_per_server)) if L.gpus_per_server else []
+            )
+            cmd = format_cmd(
+                self.opts.rollout_cmd,
+                host=self.opts.rollout_bind,
+                port=port,
+                node=self.node,
+                index=plan.rollout_index * L.servers_per_node + s,
+                gpus=",".join(map(str, gpus)),
+                run_dir=self.opts.run_dir,
+            )
             env = dict(os.environ, MEGARL_NODE=self.node)
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
@@ -199,15 +217,18 @@ class NodeLauncher:
             if self._stopping():
                 raise StopRequested(f"stopped by {self.stop_signal} while rollout servers were starting")
             if pending and time.monotonic() > deadline:
-                raise LaunchFailure(f"rollout server(s) {', '.join(pending)} on {self.node} not healthy after "
-                                    f"{self.opts.rollout_startup_timeout_s:.0f}s")
+                raise LaunchFailure(
+                    f"rollout server(s) {', '.join(pending)} on {self.node} not healthy after "
+                    f"{self.opts.rollout_startup_timeout_s:.0f}s"
+                )
             time.sleep(0.2)
 
     def _check_servers(self) -> None:
         for child in self.servers:
             if child.returncode is not None:
-                raise LaunchFailure(f"rollout node {self.node} lost its {child.label}: exited with code "
-                                    f"{child.returncode}")
+                raise LaunchFailure(
+                    f"rollout node {self.node} lost its {child.label}: exited with code {child.returncode}"
+                )
 
     def _serve_until_learner_ends(self, rdv: Rendezvous) -> int:
         while True:
@@ -215,7 +236,8 @@ class NodeLauncher:
             if state is not None:
                 self.log(f"learner state '{state}': stopping rollout servers")
                 return EXIT_OK
-            if self._stopping():  # exit 0: a non-zero code would make srun --kill-on-bad-exit kill the learner
+            # exit 0: a non-zero code would make srun --kill-on-bad-exit kill the learner
+            if self._stopping():
                 self.log(f"stopping rollout servers on {self.stop_signal}")
                 return EXIT_OK
             self._check_servers()
@@ -231,8 +253,9 @@ class NodeLauncher:
         if rollout_nodes:
             self.log(f"waiting for rollout servers on {', '.join(rollout_nodes)}")
             try:
-                addresses = rdv.gather_rollout(rollout_nodes, self.opts.rollout_startup_timeout_s,
-                                               alive=self._check_servers_or_stop)
+                addresses = rdv.gather_rollout(
+                    rollout_nodes, self.opts.rollout_startup_timeout_s, alive=self._check_servers_or_stop
+                )
             except (RendezvousTimeout, RolloutNodeDied) as exc:
                 raise LaunchFailure(str(exc)) from exc
             rdv.write_address_file(addresses)
@@ -243,28 +266,38 @@ class NodeLauncher:
         port = self.opts.master_port or default_master_port(self.task.job_id)
         addr = master_addr(plans)
         base_env = dict(os.environ)
-        base_env.update({
-            "MEGARL_NODE": self.node,
-            "MEGARL_RUN_DIR": str(self.opts.run_dir),
-            "MEGARL_CHECKPOINT_DIR": str(self.opts.checkpoint_dir),
-            "MEGARL_RESUME_FROM": str(latest[1]) if latest else "",
-            "MEGARL_RESUME_STEP": str(latest[0]) if latest else "",
-            "MEGARL_RESTART_COUNT": str(self.task.restart_count),
-            "MEGARL_DIST_TIMEOUT_S": str(self.opts.dist_timeout_s),
-            "MEGARL_DIST_BACKEND": self.opts.backend,
-            "MEGARL_ROLLOUT_ADDRESSES": ",".join(urls),
-            "MEGARL_ROLLOUT_ADDRESS_FILE": str(rdv.address_file) if rollout_nodes else "",
-        })
+        base_env.update(
+            {
+                "MEGARL_NODE": self.node,
+                "MEGARL_RUN_DIR": str(self.opts.run_dir),
+                "MEGARL_CHECKPOINT_DIR": str(self.opts.checkpoint_dir),
+                "MEGARL_RESUME_FROM": str(latest[1]) if latest else "",
+                "MEGARL_RESUME_STEP": str(latest[0]) if latest else "",
+                "MEGARL_RESTART_COUNT": str(self.task.restart_count),
+                "MEGARL_DIST_TIMEOUT_S": str(self.opts.dist_timeout_s),
+                "MEGARL_DIST_BACKEND": self.opts.backend,
+                "MEGARL_ROLLOUT_ADDRESSES": ",".join(urls),
+                "MEGARL_ROLLOUT_ADDRESS_FILE": str(rdv.address_file) if rollout_nodes else "",
+            }
+        )
         base_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # NCCL timeouts raise instead of hanging
         for local in range(self.layout.procs_per_node):
             env = dict(base_env, **learner_rank_env(plan, local, self.layout, addr, port))
-            cmd = format_cmd(self.opts.learner_cmd, run_dir=self.opts.run_dir, ckpt_dir=self.opts.checkpoint_dir,
-                             resume=env["MEGARL_RESUME_FROM"], rank=env["RANK"], local_rank=local,
-                             node=self.node)
+            cmd = format_cmd(
+                self.opts.learner_cmd,
+                run_dir=self.opts.run_dir,
+                ckpt_dir=self.opts.checkpoint_dir,
+                resume=env["MEGARL_RESUME_FROM"],
+                rank=env["RANK"],
+                local_rank=local,
+                node=self.node,
+            )
             label = f"learner rank {env['RANK']} (local {local}) on {self.node}"
             if local == 0:
-                self.log(f"starting {self.layout.procs_per_node} learner rank(s) from {env['RANK']} "
-                         f"(MASTER_ADDR={addr} MASTER_PORT={port}): {' '.join(cmd)}")
+                self.log(
+                    f"starting {self.layout.procs_per_node} learner rank(s) from {env['RANK']} "
+                    f"(MASTER_ADDR={addr} MASTER_PORT={port}): {' '.join(cmd)}"
+                )
             self.ranks.append(spawn(label, cmd, env))
         if self.stop_signal:  # a signal arrived before the ranks existed
             for r in self.ranks:
@@ -272,12 +305,14 @@ class NodeLauncher:
         return self._supervise_learner(plan, addresses, rdv, [p.node for p in plans if p.runs_learner])
 
     def _check_servers_or_stop(self) -> None:
-        if self._stopping():  # first: the same signal may have killed our servers (Slurm signals every process)
+        # first: the same signal may have killed our servers (Slurm signals every process)
+        if self._stopping():
             raise StopRequested(f"stopped by {self.stop_signal} while waiting for rollout servers")
         self._check_servers()
 
-    def _supervise_learner(self, plan: NodePlan, addresses: dict[str, list[str]], rdv: Rendezvous,
-                           learner_nodes: list[str]) -> int:
+    def _supervise_learner(
+        self, plan: NodePlan, addresses: dict[str, list[str]], rdv: Rendezvous, learner_nodes: list[str]
+    ) -> int:
         watch_health = plan.node_rank == 0
         failures: dict[str, int] = {}
         next_health = time.monotonic() + self.opts.health_interval_s
@@ -295,8 +330,10 @@ class NodeLauncher:
                 break
             if self._stopping():
                 if not wait_all(self.ranks, self.opts.stop_grace_s):
-                    raise LaunchFailure(f"learner ranks did not stop within {self.opts.stop_grace_s:.0f}s of "
-                                        f"{self.stop_signal}")
+                    raise LaunchFailure(
+                        f"learner ranks did not stop within {self.opts.stop_grace_s:.0f}s of "
+                        f"{self.stop_signal}"
+                    )
                 continue
             self._check_servers()
             if watch_health:
@@ -306,18 +343,23 @@ class NodeLauncher:
             time.sleep(0.2)
         codes = [r.returncode for r in self.ranks]
         peer_failure = self._peer_failure(rdv)
-        if self.stop_signal and peer_failure:  # srun --kill-on-bad-exit stopped us: a failure, not a pre-emption
+        # srun --kill-on-bad-exit stopped us: a failure, not a pre-emption
+        if self.stop_signal and peer_failure:
             raise LaunchFailure(f"stopped by {self.stop_signal} after {peer_failure}")
         if self.stop_signal:
             state, rc = "stopped", EXIT_REQUEUE
-            # Exit 99 is a "bad exit" for srun --kill-on-bad-exit: wait until every learner node has stopped, so
-            # no rank is killed while it still writes its part of the checkpoint.
+            # Exit 99 is a "bad exit" for srun --kill-on-bad-exit: wait until every learner node has stopped,
+            # so no rank is killed while it still writes its part of the checkpoint.
             rdv.mark_stopped(self.node)
             missing = rdv.wait_stopped(learner_nodes, self.opts.stop_grace_s)
             if missing:
-                self.log(f"learner node(s) {', '.join(missing)} did not report stopped within "
-                         f"{self.opts.stop_grace_s:.0f}s")
-            self.log(f"learner ranks stopped after {self.stop_signal} (exit codes {codes}); exit {rc} for requeue")
+                self.log(
+                    f"learner node(s) {', '.join(missing)} did not report stopped within "
+                    f"{self.opts.stop_grace_s:.0f}s"
+                )
+            self.log(
+                f"learner ranks stopped after {self.stop_signal} (exit codes {codes}); exit {rc} for requeue"
+            )
         elif any(codes):
             state, rc = "failed", EXIT_FAILED
         else:
@@ -345,8 +387,12 @@ class NodeLauncher:
                     failures.pop(url, None)
                     continue
                 failures[url] = failures.get(url, 0) + 1
-                self.log(f"rollout server {url} on {node} failed health check "
-                         f"{failures[url]}/{self.opts.health_failures}: {reason}")
+                self.log(
+                    f"rollout server {url} on {node} failed health check "
+                    f"{failures[url]}/{self.opts.health_failures}: {reason}"
+                )
                 if failures[url] >= self.opts.health_failures:
-                    raise LaunchFailure(f"rollout node {node} died: server {url} stopped answering "
-                                        f"{self.opts.rollout_health_path} ({reason})")
+                    raise LaunchFailure(
+                        f"rollout node {node} died: server {url} stopped answering "
+                        f"{self.opts.rollout_health_path} ({reason})"
+                    )

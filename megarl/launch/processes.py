@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 @dataclass
 class Child:
-    """One process the launcher started; ``label`` names it in logs (e.g. 'learner rank 3 (local 1) on node2')."""
+    """One process the launcher started; ``label`` names it in logs (e.g. 'learner rank 3 (local 1) on
+    node2')."""
 
     label: str
     proc: subprocess.Popen
@@ -23,8 +24,8 @@ class Child:
     def signal(self, sig: int, group: bool = True) -> None:
         """Send ``sig`` to the child's whole process group (servers often fork workers), or to the child only.
 
-        group=False is for "checkpoint and stop" requests: a learner's helper processes (e.g. megatron's checkpoint
-        writer workers) must not get them, they die of SIGUSR1 mid-write.
+        group=False is for "checkpoint and stop" requests: a learner's helper processes (e.g. megatron's
+        checkpoint writer workers) must not get them, they die of SIGUSR1 mid-write.
         """
         try:
             if group:
@@ -36,7 +37,8 @@ class Child:
 
 
 def spawn(label: str, cmd: list[str], env: dict[str, str]) -> Child:
-    """Start ``cmd`` in a new session with ``env``; stdout/stderr go to the launcher's (Slurm's output file)."""
+    """Start ``cmd`` in a new session with ``env``; stdout/stderr go to the launcher's (Slurm's output
+    file)."""
     return Child(label, subprocess.Popen(cmd, env=env, start_new_session=True))
 
 

@@ -1,5 +1,6 @@
-"""File rendezvous on the job's shared run directory: rollout nodes publish their server addresses, the learner
-gathers them; each side leaves a state file the other watches (learner done/failed, rollout node dead).
+"""File rendezvous on the job's shared run directory: rollout nodes publish their server addresses, the
+learner gathers them; each side leaves a state file the other watches (learner done/failed, rollout node
+dead).
 
 One directory per job attempt (``attempt-<restart count>``), so a requeued job never reads stale addresses.
 """
@@ -8,8 +9,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from megarl.launch.files import atomic_write_json, atomic_write_text
 
@@ -45,8 +46,9 @@ class Rendezvous:
         """Rollout nodes that reported a dead server, with the reason."""
         return {p.name.removeprefix("dead-"): p.read_text().strip() for p in self.dir.glob("dead-*")}
 
-    def gather_rollout(self, nodes: list[str], timeout_s: float, poll_s: float = 0.2,
-                       alive: Callable[[], None] | None = None) -> dict[str, list[str]]:
+    def gather_rollout(
+        self, nodes: list[str], timeout_s: float, poll_s: float = 0.2, alive: Callable[[], None] | None = None
+    ) -> dict[str, list[str]]:
         """Wait until every node in ``nodes`` published; return {node: [url, ...]} in ``nodes`` order.
 
         alive: called every poll; may raise to abort the wait (e.g. a learner rank died meanwhile).
@@ -55,15 +57,19 @@ class Rendezvous:
         while True:
             dead = {n: r for n, r in self.dead_nodes().items() if n in nodes}
             if dead:
-                raise RolloutNodeDied("rollout node(s) died before publishing: "
-                                   + "; ".join(f"{n}: {r}" for n, r in dead.items()))
+                raise RolloutNodeDied(
+                    "rollout node(s) died before publishing: "
+                    + "; ".join(f"{n}: {r}" for n, r in dead.items())
+                )
             found = {n: self.dir / f"rollout-{n}.json" for n in nodes}
             missing = [n for n, p in found.items() if not p.exists()]
             if not missing:
                 return {n: json.loads(p.read_text())["urls"] for n, p in found.items()}
             if time.monotonic() > deadline:
-                raise RendezvousTimeout(f"no rollout server addresses from node(s) {', '.join(missing)} after "
-                                        f"{timeout_s:.0f}s (rendezvous dir {self.dir})")
+                raise RendezvousTimeout(
+                    f"no rollout server addresses from node(s) {', '.join(missing)} after "
+                    f"{timeout_s:.0f}s (rendezvous dir {self.dir})"
+                )
             if alive is not None:
                 alive()
             time.sleep(poll_s)

@@ -39,7 +39,8 @@ class NodePlan:
 
 
 def assign_roles(nodes: list[str] | tuple[str, ...], layout: Layout) -> list[NodePlan]:
-    """Split ``nodes`` (Slurm order) into the learner group (first ``learner_nodes``) and the rollout group (rest)."""
+    """Split ``nodes`` (Slurm order) into the learner group (first ``learner_nodes``) and the rollout group
+    (rest)."""
     if len(nodes) != layout.n_nodes:
         raise LayoutError(f"{len(nodes)} node(s) {list(nodes)} but the layout needs {layout.n_nodes}")
     if len(set(nodes)) != len(nodes):
@@ -67,7 +68,8 @@ def default_master_port(job_id: str, base: int = 20000, span: int = 10000) -> in
 
 
 def learner_rank_env(plan: NodePlan, local_rank: int, layout: Layout, addr: str, port: int) -> dict[str, str]:
-    """torch.distributed variables (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, ...) plus the layout sizes."""
+    """torch.distributed variables (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, ...) plus the layout
+    sizes."""
     if not plan.runs_learner or plan.first_rank is None or plan.node_rank is None:
         raise ValueError(f"node {plan.node} has role {plan.role.value}: no learner ranks")
     if not 0 <= local_rank < layout.procs_per_node:

@@ -100,8 +100,13 @@ def train(ctx: DistContext, steps: int, step_sleep: float, ckpt_dir: Path) -> in
             dist.all_reduce(avg)
         opt.step()
         if ctx.rank == 0:
+
             def write(d: Path) -> None:
-                torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict()}, d / "state.pt")
+                torch.save(
+                    {"step": step, "model": model.state_dict(), "opt": opt.state_dict()},  # noqa: B023 (called at once)
+                    d / "state.pt",
+                )
+
             commit_checkpoint(ckpt_dir, step, write)
             _say(f"step {step} loss {avg.item() / ctx.world_size:.6f} checkpoint saved")
         time.sleep(step_sleep)
@@ -121,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the self-test; exit 1 with a message naming rank and host on a distributed error."""
     p = argparse.ArgumentParser(prog="python -m megarl.launch.selftest")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (to leave time for signals)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.0, help="seconds per step (to leave time for signals)"
+    )
     p.add_argument("--ckpt-dir", default=os.environ.get("MEGARL_CHECKPOINT_DIR"))
     p.add_argument("--hang-rank", type=int, default=None, help="this rank skips the first collective (test)")
     args = p.parse_args(argv)
@@ -129,9 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ckpt-dir or MEGARL_CHECKPOINT_DIR is required")
     try:
         ctx = init_from_env()
-        print(f"selftest: rank={ctx.rank} local_rank={ctx.local_rank} world={ctx.world_size} "
-              f"host={socket.gethostname()} node={ctx.host} master={os.environ.get('MASTER_ADDR')}:"
-              f"{os.environ.get('MASTER_PORT')} backend={ctx.backend}", flush=True)
+        print(
+            f"selftest: rank={ctx.rank} local_rank={ctx.local_rank} world={ctx.world_size} "
+            f"host={socket.gethostname()} node={ctx.host} master={os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')} backend={ctx.backend}",
+            flush=True,
+        )
         check_collectives(ctx, args.hang_rank)
         ping_rollout(ctx)
         train(ctx, args.steps, args.step_sleep, Path(args.ckpt_dir))

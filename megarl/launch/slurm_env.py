@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from megarl.launch.hostlist import expand_hostlist
 
@@ -61,7 +61,8 @@ def _visible_gpus(env: Mapping[str, str]) -> int | None:
 
 
 def read_slurm_task(env: Mapping[str, str] | None = None) -> SlurmTask:
-    """Parse SLURM_JOB_ID, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST), SLURM_NODEID, SLURM_PROCID, SLURM_NTASKS."""
+    """Parse SLURM_JOB_ID, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST), SLURM_NODEID, SLURM_PROCID,
+    SLURM_NTASKS."""
     env = os.environ if env is None else env
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:

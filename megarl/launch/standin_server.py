@@ -1,8 +1,9 @@
 """STAND-IN rollout server for the Slurm tests: a stdlib HTTP server with ``/health`` and ``/whoami``.
 
-The real rollout servers (vLLM / SGLang, megarl/rollout) are too slow to start within the CI budget of the Slurm
-tests; this one exercises exactly what the launcher owns: start a server command on a rollout node, wait for its
-health check, hand its address to the learner, watch it, and tear it down. It does not generate anything.
+The real rollout servers (vLLM / SGLang, megarl/rollout) are too slow to start within the CI budget of the
+Slurm tests; this one exercises exactly what the launcher owns: start a server command on a rollout node, wait
+for its health check, hand its address to the learner, watch it, and tear it down. It does not generate
+anything.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
-    info = {"host": socket.gethostname(), "node": os.environ.get("MEGARL_NODE", ""), "port": args.port,
-            "pid": os.getpid()}
+    info = {
+        "host": socket.gethostname(),
+        "node": os.environ.get("MEGARL_NODE", ""),
+        "port": args.port,
+        "pid": os.getpid(),
+    }
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        def do_GET(self) -> None:  # http.server API name
             if self.path == "/health":
                 body = b"ok"
             elif self.path == "/whoami":

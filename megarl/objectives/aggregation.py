@@ -21,8 +21,9 @@ from megarl.ops.segments import segment_sum
 MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str,
-              norm: GlobalNormalisers) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str, norm: GlobalNormalisers
+) -> torch.Tensor:
     """loss, mask: [T] -> scalar contribution of this micro-batch to the global aggregate."""
     m = mask.to(loss.dtype)
     masked = loss * m

@@ -43,8 +43,9 @@ def _vocab_range(logits: torch.Tensor, group: Any) -> tuple[int, int]:
     return start, start + v
 
 
-def _global_lse(local_max: torch.Tensor, partial: torch.Tensor, group: Any,
-                unscaled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _global_lse(
+    local_max: torch.Tensor, partial: torch.Tensor, group: Any, unscaled: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Combine per-rank softmax partial sums into global ones with two all-reduces.
 
     local_max: [T]; partial: [k, T], row 0 is Σ exp(z - local_max), rows 1.. are Σ exp(z - local_max)·f(z);
@@ -121,9 +122,14 @@ class _LogprobEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group: Any = None,
-                                    chunk_tokens: int | None = None, with_entropy: bool = True,
-                                    inplace_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    tp_group: Any = None,
+    chunk_tokens: int | None = None,
+    with_entropy: bool = True,
+    inplace_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) and the full-vocabulary entropy of sharded logits.
 
     logits: [T, V/tp] (any float dtype); targets: [T] global vocabulary ids.
@@ -136,16 +142,20 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return _LogprobEntropy.apply(logits, targets, tp_group, chunk_tokens, with_entropy, inplace_backward)
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group: Any = None,
-                            chunk_tokens: int | None = None) -> torch.Tensor:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """log p(targets) of sharded logits: [T, V/tp], [T] -> [T]."""
     return vocab_parallel_logprobs_entropy(logits, targets, tp_group, chunk_tokens, with_entropy=False)[0]
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None) -> torch.Tensor:
+def vocab_parallel_entropy(
+    logits: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """Full-vocabulary entropy of sharded logits: [T, V/tp] -> [T]."""
-    targets = torch.full((logits.shape[0],), _vocab_range(logits, tp_group)[0], dtype=torch.long,
-                         device=logits.device)
+    targets = torch.full(
+        (logits.shape[0],), _vocab_range(logits, tp_group)[0], dtype=torch.long, device=logits.device
+    )
     return vocab_parallel_logprobs_entropy(logits, targets, tp_group, chunk_tokens, with_entropy=True)[1]
 
 
@@ -182,7 +192,9 @@ class _LogSumExp(torch.autograd.Function):
         return grad, None, None
 
 
-def vocab_parallel_logsumexp(logits: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None) -> torch.Tensor:
+def vocab_parallel_logsumexp(
+    logits: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """log Σ_v exp(logits_v) over the full vocabulary: [T, V/tp] -> [T]; gradient softmax."""
     return _LogSumExp.apply(logits, tp_group, chunk_tokens)
 
@@ -225,8 +237,9 @@ class _KL(torch.autograd.Function):
         return ga, gb, None, None
 
 
-def vocab_parallel_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None,
-                      chunk_tokens: int | None = None) -> torch.Tensor:
+def vocab_parallel_kl(
+    logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """KL(softmax(logits_p) || softmax(logits_q)) per token over the full vocabulary.
 
     logits_p, logits_q: [T, V/tp] sharded the same way -> [T]. Differentiable w.r.t. both.
@@ -254,33 +267,39 @@ class _Bhattacharyya(torch.autograd.Function):
     def backward(ctx, g):
         a, b, lse_a, lse_b, bc = ctx.saved_tensors
         acc = lse_a.dtype
-        grads = [torch.empty_like(a) if ctx.needs_input_grad[0] else None,
-                 torch.empty_like(b) if ctx.needs_input_grad[1] else None]
+        grads = [
+            torch.empty_like(a) if ctx.needs_input_grad[0] else None,
+            torch.empty_like(b) if ctx.needs_input_grad[1] else None,
+        ]
         for s, e, la, lb in _paired_log_probs(a, b, lse_a, lse_b, ctx.chunk):
             root = torch.exp(0.5 * (la + lb))
             gs = g[s:e].to(acc).unsqueeze(-1)
             bcs = bc[s:e].unsqueeze(-1)
             # dBC/dz_j = (sqrt(p_j q_j) - p_j BC) / 2, symmetric in the two arguments
-            for gout, l in zip(grads, (la, lb)):
+            for gout, lx in zip(grads, (la, lb)):
                 if gout is not None:
-                    gout[s:e] = (gs * 0.5 * (root - torch.exp(l) * bcs)).to(gout.dtype)
+                    gout[s:e] = (gs * 0.5 * (root - torch.exp(lx) * bcs)).to(gout.dtype)
         return grads[0], grads[1], None, None
 
 
-def vocab_parallel_bhattacharyya(logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None,
-                                 chunk_tokens: int | None = None) -> torch.Tensor:
+def vocab_parallel_bhattacharyya(
+    logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """Bhattacharyya coefficient Σ_v sqrt(p_v q_v) per token: [T, V/tp] x2 -> [T]."""
     return _Bhattacharyya.apply(logits_p, logits_q, tp_group, chunk_tokens)
 
 
-def vocab_parallel_hellinger_sq(logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None,
-                                chunk_tokens: int | None = None) -> torch.Tensor:
+def vocab_parallel_hellinger_sq(
+    logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """Squared Hellinger distance 1 - BC per token: [T, V/tp] x2 -> [T]."""
     return 1 - vocab_parallel_bhattacharyya(logits_p, logits_q, tp_group, chunk_tokens)
 
 
 @torch.no_grad()
-def vocab_parallel_topk(logits: torch.Tensor, k: int, tp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_topk(
+    logits: torch.Tensor, k: int, tp_group: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits over the full vocabulary and their global ids (no gradient).
 
     logits: [T, V/tp] -> (values [T, k], ids [T, k]), sorted descending; ties go to the lower id,

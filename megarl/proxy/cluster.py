@@ -30,8 +30,10 @@ def expert_features(out_signature: np.ndarray, router_rows: np.ndarray, kappa: f
     out_signature: [E, H] mean expert output over all calibration tokens; router_rows: [E, H]
     router weight rows. Returns [E, 2H] unit rows (float64).
     """
-    phi = np.concatenate([_unit_rows(out_signature.astype(np.float64)),
-                          kappa * _unit_rows(router_rows.astype(np.float64))], axis=1)
+    phi = np.concatenate(
+        [_unit_rows(out_signature.astype(np.float64)), kappa * _unit_rows(router_rows.astype(np.float64))],
+        axis=1,
+    )
     return _unit_rows(phi)
 
 
@@ -74,7 +76,9 @@ def agglomerative(dist: np.ndarray, n_clusters: int) -> list[list[int]]:
     return sorted((members[i] for i in active), key=lambda m: m[0])
 
 
-def kmeans(phi: np.ndarray, n_clusters: int, seed: int, n_init: int = 4, max_iter: int = 100) -> list[list[int]]:
+def kmeans(
+    phi: np.ndarray, n_clusters: int, seed: int, n_init: int = 4, max_iter: int = 100
+) -> list[list[int]]:
     """k-means++ / Lloyd on the rows of ``phi: [n, D]``, best of ``n_init`` seeded restarts.
 
     Every cluster is non-empty (an emptied cluster takes the point farthest from its centre).
@@ -111,11 +115,14 @@ def kmeans(phi: np.ndarray, n_clusters: int, seed: int, n_init: int = 4, max_ite
         if best is None or inertia < best[0] - 1e-12:
             best = (inertia, labels.copy())
     labels = best[1]
-    return sorted(([int(i) for i in np.flatnonzero(labels == k)] for k in range(n_clusters)), key=lambda m: m[0])
+    return sorted(
+        ([int(i) for i in np.flatnonzero(labels == k)] for k in range(n_clusters)), key=lambda m: m[0]
+    )
 
 
-def choose_representative(members: list[int], mass: np.ndarray, saliency: np.ndarray, dist: np.ndarray,
-                          rule: str = "mass") -> int:
+def choose_representative(
+    members: list[int], mass: np.ndarray, saliency: np.ndarray, dist: np.ndarray, rule: str = "mass"
+) -> int:
     """The expert of a cluster that is kept.
 
     ``mass``: highest routing mass (sum of gate weights on calibration tokens), ties broken by
@@ -129,9 +136,17 @@ def choose_representative(members: list[int], mass: np.ndarray, saliency: np.nda
     raise ValueError(f"representative rule {rule!r}; allowed: {', '.join(REPRESENTATIVES)}")
 
 
-def cluster_layer(phi: np.ndarray, n_keep: int, *, method: str, seed: int, n_group: int = 1,
-                  mass: np.ndarray, saliency: np.ndarray, representative: str = "mass"
-                  ) -> tuple[list[list[int]], list[int]]:
+def cluster_layer(
+    phi: np.ndarray,
+    n_keep: int,
+    *,
+    method: str,
+    seed: int,
+    n_group: int = 1,
+    mass: np.ndarray,
+    saliency: np.ndarray,
+    representative: str = "mass",
+) -> tuple[list[list[int]], list[int]]:
     """Cluster the E experts of one layer into ``n_keep`` clusters and choose the kept experts.
 
     phi: [E, D] features; mass, saliency: [E]. With ``n_group`` > 1 each routing group of E/G

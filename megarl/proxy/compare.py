@@ -39,7 +39,7 @@ def _count_params(hf_dir: str) -> int:
     n = 0
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():  # noqa: SIM118 - safe_open is not iterable
+            for k in fh.keys():
                 shape = fh.get_slice(k).get_shape()
                 p = 1
                 for s in shape:
@@ -66,19 +66,32 @@ def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: 
             raise CompareError(f"--{name} {d}: no *.safetensors weights")
         shapes[name] = model_shape(json.loads((Path(d) / "config.json").read_text()))
     try:
-        check_compatible(shapes["original"], json.loads((Path(proxy) / "config.json").read_text()), proxy,
-                         ref="original")
+        check_compatible(
+            shapes["original"], json.loads((Path(proxy) / "config.json").read_text()), proxy, ref="original"
+        )
     except DumpError as e:
         raise CompareError(f"--proxy is not a proxy of --original: {e}") from None
     return shapes
 
 
 def _train_cmd(config: str, hf_dir: str, run_dir: Path, steps: int, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "megarl.cli", "train", config, f"model.hf_dir={hf_dir}",
-            f"logging.run_dir={run_dir}", f"schedule.steps={steps}", "checkpoint.resume=never", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "megarl.cli",
+        "train",
+        config,
+        f"model.hf_dir={hf_dir}",
+        f"logging.run_dir={run_dir}",
+        f"schedule.steps={steps}",
+        "checkpoint.resume=never",
+        *overrides,
+    ]
 
 
-def run_trainings(jobs: dict[str, list[str]], logs: dict[str, Path], parallel: bool = False) -> dict[str, dict]:
+def run_trainings(
+    jobs: dict[str, list[str]], logs: dict[str, Path], parallel: bool = False
+) -> dict[str, dict]:
     """Run ``megarl train`` commands (name -> argv), one after the other or all at once; returns
     per name the exit code, wall time and peak RSS of the process (MiB)."""
     out: dict[str, dict] = {}
@@ -92,18 +105,30 @@ def run_trainings(jobs: dict[str, list[str]], logs: dict[str, Path], parallel: b
                 fh = stack.enter_context(open(logs[name], "w"))
                 fh.write(" ".join(cmd) + "\n")
                 fh.flush()
-                procs[name] = (subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ)),
-                               time.time())
+                procs[name] = (
+                    subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ)),
+                    time.time(),
+                )
             for name, (p, t0) in procs.items():
                 _, status, usage = os.wait4(p.pid, 0)
                 p.returncode = os.waitstatus_to_exitcode(status)
-                out[name] = {"exit_code": p.returncode, "wall_s": round(time.time() - t0, 2),
-                             "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+                out[name] = {
+                    "exit_code": p.returncode,
+                    "wall_s": round(time.time() - t0, 2),
+                    "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+                }
     return out
 
 
-def run_compare(config: str, original: str, proxy: str, steps: int, out: str,
-                overrides: list[str] | None = None, parallel: bool = False) -> dict:
+def run_compare(
+    config: str,
+    original: str,
+    proxy: str,
+    steps: int,
+    out: str,
+    overrides: list[str] | None = None,
+    parallel: bool = False,
+) -> dict:
     """Both runs, then the fidelity report; returns the report (megarl.faults.fidelity).
     ``parallel``: train both at once (faster with spare cores; time and memory figures then
     include the contention)."""
@@ -115,17 +140,28 @@ def run_compare(config: str, original: str, proxy: str, steps: int, out: str,
     out_dir.mkdir(parents=True, exist_ok=True)
     models = {"original": original, "proxy": proxy}
     for name, d in models.items():
-        print(f"megarl proxy compare: training the {name} ({d}) for {steps} steps; log {out_dir / (name + '.log')}",
-              flush=True)
-    runs = run_trainings({n: _train_cmd(config, d, out_dir / n, steps, overrides) for n, d in models.items()},
-                         {n: out_dir / f"{n}.log" for n in models}, parallel)
+        print(
+            f"megarl proxy compare: training the {name} ({d}) for {steps} steps; "
+            f"log {out_dir / (name + '.log')}",
+            flush=True,
+        )
+    runs = run_trainings(
+        {n: _train_cmd(config, d, out_dir / n, steps, overrides) for n, d in models.items()},
+        {n: out_dir / f"{n}.log" for n in models},
+        parallel,
+    )
     for name, r in runs.items():
         if r["exit_code"] != 0:
             tail = (out_dir / f"{name}.log").read_text()[-2000:]
-            raise RuntimeError(f"the {name} run failed (exit {r['exit_code']}); see {out_dir / (name + '.log')}:\n"
-                               f"{tail}")
-        r.update(model=models[name], routed_experts=shapes[name]["num_experts"],
-                 top_k=shapes[name]["num_experts_per_tok"], params=_count_params(models[name]))
+            raise RuntimeError(
+                f"the {name} run failed (exit {r['exit_code']}); see {out_dir / (name + '.log')}:\n{tail}"
+            )
+        r.update(
+            model=models[name],
+            routed_experts=shapes[name]["num_experts"],
+            top_k=shapes[name]["num_experts_per_tok"],
+            params=_count_params(models[name]),
+        )
     runs["original"]["params_ratio"] = 1.0
     runs["proxy"]["params_ratio"] = round(runs["proxy"]["params"] / max(runs["original"]["params"], 1), 4)
     rep = write_report(out_dir / "original", out_dir / "proxy", out_dir, extra=runs)
@@ -134,18 +170,29 @@ def run_compare(config: str, original: str, proxy: str, steps: int, out: str,
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run ``run_compare``; exit 2 on bad input, 1 on a failed run."""
-    ap = argparse.ArgumentParser(prog="megarl proxy compare",
-                                 description="Train the same recipe on the original model and on a proxy and write "
-                                             "a fidelity report (markdown + PNG) of their curves and fault events.")
+    ap = argparse.ArgumentParser(
+        prog="megarl proxy compare",
+        description="Train the same recipe on the original model and on a proxy and write "
+        "a fidelity report (markdown + PNG) of their curves and fault events.",
+    )
     ap.add_argument("--config", required=True, help="the recipe (a megarl train YAML)")
     ap.add_argument("--original", required=True, help="HF checkpoint of the original model")
     ap.add_argument("--proxy", required=True, help="HF checkpoint of the proxy (megarl proxy prune --out)")
     ap.add_argument("--steps", required=True, type=int, help="training steps of each run")
     ap.add_argument("--out", required=True, help="output directory (runs, logs, fidelity.md/png/json)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override for both runs (repeatable), e.g. --set 'faults.dump_on=[nonfinite]'")
-    ap.add_argument("--parallel", action="store_true",
-                    help="train both at once (needs spare cores; timings then include the contention)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for both runs (repeatable), e.g. --set 'faults.dump_on=[nonfinite]'",
+    )
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="train both at once (needs spare cores; timings then include the contention)",
+    )
     a = ap.parse_args(argv)
     try:
         rep = run_compare(a.config, a.original, a.proxy, a.steps, a.out, a.overrides, a.parallel)
@@ -157,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for c in rep["curves"]:
         r = c["pearson_r"]
-        print(f"  {c['label']:<46} r={'n/a' if r is None else f'{r:+.3f}'}  mean|diff|={c['mean_abs_diff']:.4g}")
+        print(
+            f"  {c['label']:<46} r={'n/a' if r is None else f'{r:+.3f}'}  mean|diff|={c['mean_abs_diff']:.4g}"
+        )
     ev = rep["events"]
     print(f"  fault events: original {ev['original'] or 'none'}; proxy {ev['proxy'] or 'none'}")
     print(f"report: {Path(a.out) / 'fidelity.md'}")

@@ -25,10 +25,16 @@ from dataclasses import dataclass, field
 import torch
 
 WEIGHT_INDEX = "model.safetensors.index.json"
-_EXPERT = re.compile(r"^(?P<pre>model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<e>\d+)\."
-                     r"(?P<rest>.+)$")
-_FUSED = re.compile(r"^(?P<pre>model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<rest>[^.]+)$")
-_ROUTER = re.compile(r"^(?P<pre>model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.gate\.(?P<rest>.+)$")
+_EXPERT = re.compile(
+    r"^(?P<pre>model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<e>\d+)\."
+    r"(?P<rest>.+)$"
+)
+_FUSED = re.compile(
+    r"^(?P<pre>model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.experts\.(?P<rest>[^.]+)$"
+)
+_ROUTER = re.compile(
+    r"^(?P<pre>model\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe))\.gate\.(?P<rest>.+)$"
+)
 # config keys that hold the routed-expert count, by model type (all present ones are rewritten)
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "mixtral")
@@ -67,17 +73,26 @@ def read_moe_config(src_dir: str) -> MoEConfig:
     mt = raw.get("model_type")
     counts = {k: raw[k] for k in EXPERT_COUNT_KEYS if raw.get(k)}
     if not counts:
-        raise ProxyInputError(f"{path}: dense model (model_type={mt!r}, none of {list(EXPERT_COUNT_KEYS)} is set);"
-                              " expert pruning needs a MoE checkpoint")
+        raise ProxyInputError(
+            f"{path}: dense model (model_type={mt!r}, none of {list(EXPERT_COUNT_KEYS)} is set);"
+            " expert pruning needs a MoE checkpoint"
+        )
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ProxyInputError(f"{path}: model_type={mt!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
+        raise ProxyInputError(
+            f"{path}: model_type={mt!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}"
+        )
     if len(set(counts.values())) != 1:
         raise ProxyInputError(f"{path}: expert counts disagree: {counts}")
     E = int(next(iter(counts.values())))
     if "num_experts_per_tok" not in raw:
         raise ProxyInputError(f"{path}: key 'num_experts_per_tok' missing")
-    cfg = MoEConfig(model_type=mt, num_experts=E, top_k=int(raw["num_experts_per_tok"]), raw=raw,
-                    hidden_act=raw.get("hidden_act", "silu"))
+    cfg = MoEConfig(
+        model_type=mt,
+        num_experts=E,
+        top_k=int(raw["num_experts_per_tok"]),
+        raw=raw,
+        hidden_act=raw.get("hidden_act", "silu"),
+    )
     if mt == "deepseek_v3":
         cfg.n_group = int(raw.get("n_group") or 1)
         cfg.topk_group = int(raw.get("topk_group") or 1)
@@ -112,7 +127,7 @@ def scan_checkpoint(src_dir: str) -> CheckpointIndex:
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         with safe_open(os.path.join(src_dir, f), framework="pt") as h:
-            for k in h.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+            for k in h.keys():
                 if k in where:
                     raise ProxyInputError(f"{src_dir}: tensor {k!r} is stored twice ({where[k]} and {f})")
                 where[k] = f
@@ -147,41 +162,53 @@ def moe_layout(index: CheckpointIndex, num_experts: int) -> dict[int, MoELayerLa
         for kind, rx in (("expert", _EXPERT), ("fused", _FUSED), ("router", _ROUTER)):
             m = rx.match(k)
             if m:
-                d = per.setdefault(int(m["layer"]), {"prefix": m["pre"], "expert": {}, "fused": [], "router": []})
+                d = per.setdefault(
+                    int(m["layer"]), {"prefix": m["pre"], "expert": {}, "fused": [], "router": []}
+                )
                 if kind == "expert":
                     d["expert"].setdefault(int(m["e"]), set()).add(m["rest"])
                 else:
                     if not shape or shape[0] != E:
-                        raise ProxyInputError(f"{index.dir}: tensor {k!r} has shape {list(shape)}; expected leading"
-                                              f" dimension num_experts={E}")
+                        raise ProxyInputError(
+                            f"{index.dir}: tensor {k!r} has shape {list(shape)}; expected leading"
+                            f" dimension num_experts={E}"
+                        )
                     d[kind].append(m["rest"])
                 break
     if not per:
-        raise ProxyInputError(f"{index.dir}: no routed-expert tensors (model.layers.N.mlp.experts.*) in the "
-                              "checkpoint although config.json describes a MoE model")
+        raise ProxyInputError(
+            f"{index.dir}: no routed-expert tensors (model.layers.N.mlp.experts.*) in the "
+            "checkpoint although config.json describes a MoE model"
+        )
     out: dict[int, MoELayerLayout] = {}
     for layer, d in sorted(per.items()):
         ids = sorted(d["expert"])
         if d["expert"] and ids != list(range(E)):
             extra = sorted(set(ids) - set(range(E)))
             miss = sorted(set(range(E)) - set(ids))
-            raise ProxyInputError(f"{index.dir}: layer {layer}: expert ids {ids[:3]}..{ids[-3:]} do not match "
-                                  f"num_experts={E} (missing {miss[:5]}, beyond config {extra[:5]})")
+            raise ProxyInputError(
+                f"{index.dir}: layer {layer}: expert ids {ids[:3]}..{ids[-3:]} do not match "
+                f"num_experts={E} (missing {miss[:5]}, beyond config {extra[:5]})"
+            )
         names = sorted(d["expert"].get(0, set()))
         for e, s in d["expert"].items():
             if s != set(names):
-                raise ProxyInputError(f"{index.dir}: layer {layer} expert {e} has tensors {sorted(s)}, expert 0 has "
-                                      f"{names}")
+                raise ProxyInputError(
+                    f"{index.dir}: layer {layer} expert {e} has tensors {sorted(s)}, expert 0 has {names}"
+                )
         if "weight" not in d["router"]:
-            raise ProxyInputError(f"{index.dir}: layer {layer}: router tensor {d['prefix']}.gate.weight missing")
+            raise ProxyInputError(
+                f"{index.dir}: layer {layer}: router tensor {d['prefix']}.gate.weight missing"
+            )
         if not names and not d["fused"]:
             raise ProxyInputError(f"{index.dir}: layer {layer}: router but no expert tensors")
         out[layer] = MoELayerLayout(layer, d["prefix"], names, sorted(d["fused"]), sorted(d["router"]))
     return out
 
 
-def pruned_tensor_plan(index: CheckpointIndex, layout: dict[int, MoELayerLayout], kept: dict[int, list[int]]
-                       ) -> dict[str, tuple[str, list[int] | None]]:
+def pruned_tensor_plan(
+    index: CheckpointIndex, layout: dict[int, MoELayerLayout], kept: dict[int, list[int]]
+) -> dict[str, tuple[str, list[int] | None]]:
     """new name -> (source name, rows to take or None for a verbatim copy), over every tensor."""
     plan: dict[str, tuple[str, list[int] | None]] = {}
     handled: set[str] = set()
@@ -195,15 +222,22 @@ def pruned_tensor_plan(index: CheckpointIndex, layout: dict[int, MoELayerLayout]
             plan[f"{lay.prefix}.experts.{name}"] = (f"{lay.prefix}.experts.{name}", list(keep))
         for name in lay.router:
             plan[f"{lay.prefix}.gate.{name}"] = (f"{lay.prefix}.gate.{name}", list(keep))
-        handled.update(k for k in index.shapes if k.startswith((lay.prefix + ".experts.", lay.prefix + ".gate.")))
+        handled.update(
+            k for k in index.shapes if k.startswith((lay.prefix + ".experts.", lay.prefix + ".gate."))
+        )
     for k in index.shapes:
         if k not in handled:
             plan[k] = (k, None)
     return plan
 
 
-def write_pruned_checkpoint(index: CheckpointIndex, plan: dict[str, tuple[str, list[int] | None]],
-                            config: dict, out_dir: str, extra_files: dict[str, str]) -> dict[str, str]:
+def write_pruned_checkpoint(
+    index: CheckpointIndex,
+    plan: dict[str, tuple[str, list[int] | None]],
+    config: dict,
+    out_dir: str,
+    extra_files: dict[str, str],
+) -> dict[str, str]:
     """Write the pruned checkpoint atomically: everything goes to ``out_dir + '.tmp-proxy'``, which
     is renamed to ``out_dir`` at the end. Each source safetensors file gives one output file of the
     same name (its tensors renamed / row-sliced per ``plan``); an index json is written when the
@@ -235,14 +269,23 @@ def write_pruned_checkpoint(index: CheckpointIndex, plan: dict[str, tuple[str, l
             if out:
                 save_file(out, os.path.join(tmp, f), metadata=dict(meta, format=meta.get("format", "pt")))
                 weight_map.update({k: f for k in out})
-        if len(weight_map) and (len(index.files) > 1 or os.path.isfile(os.path.join(index.dir, WEIGHT_INDEX))):
+        if len(weight_map) and (
+            len(index.files) > 1 or os.path.isfile(os.path.join(index.dir, WEIGHT_INDEX))
+        ):
             with open(os.path.join(tmp, WEIGHT_INDEX), "w") as fh:
-                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh,
-                          indent=2)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                    fh,
+                    indent=2,
+                )
         for name in sorted(os.listdir(index.dir)):
             p = os.path.join(index.dir, name)
-            if (os.path.isfile(p) and not name.endswith(".safetensors")
-                    and name not in (WEIGHT_INDEX, "config.json") and name not in extra_files):
+            if (
+                os.path.isfile(p)
+                and not name.endswith(".safetensors")
+                and name not in (WEIGHT_INDEX, "config.json")
+                and name not in extra_files
+            ):
                 shutil.copyfile(p, os.path.join(tmp, name))
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(config, fh, indent=2)

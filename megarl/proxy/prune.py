@@ -41,8 +41,9 @@ REPORT_NAME = "proxy_report.json"
 REPORT_FORMAT = "megarl-proxy-report/1"
 
 
-def check_request(cfg: MoEConfig, num_experts: int, ep_size: int, clamp_topk: bool,
-                  allow_identity: bool) -> tuple[int, list[str]]:
+def check_request(
+    cfg: MoEConfig, num_experts: int, ep_size: int, clamp_topk: bool, allow_identity: bool
+) -> tuple[int, list[str]]:
     """Validate the target expert count against the config; returns ``(top_k', warnings)``.
 
     Errors: E' not a positive integer, E' > E, E' = E (unless ``allow_identity``), E' < top-k
@@ -57,41 +58,57 @@ def check_request(cfg: MoEConfig, num_experts: int, ep_size: int, clamp_topk: bo
     if num_experts > E:
         raise ProxyInputError(f"--experts {num_experts} exceeds the model's {E} routed experts ({where})")
     if num_experts == E and not allow_identity:
-        raise ProxyInputError(f"--experts {num_experts} equals the model's expert count ({where}): nothing to prune"
-                              " (pass --allow-identity for an unpruned control copy)")
+        raise ProxyInputError(
+            f"--experts {num_experts} equals the model's expert count ({where}): nothing to prune"
+            " (pass --allow-identity for an unpruned control copy)"
+        )
     if ep_size < 1 or num_experts % ep_size:
         raise ProxyInputError(f"--experts {num_experts} is not divisible by --ep-size {ep_size}")
     new_k = k
     if num_experts < k:
         if not clamp_topk:
-            raise ProxyInputError(f"--experts {num_experts} is below num_experts_per_tok={k} ({where}); "
-                                  "pass --clamp-topk to set top-k to E' (changes the routing)")
+            raise ProxyInputError(
+                f"--experts {num_experts} is below num_experts_per_tok={k} ({where}); "
+                "pass --clamp-topk to set top-k to E' (changes the routing)"
+            )
         new_k = num_experts
-        warnings.append(f"top-k clamped from {k} to {num_experts}: every token now uses all experts "
-                        "(routing differs from the original)")
+        warnings.append(
+            f"top-k clamped from {k} to {num_experts}: every token now uses all experts "
+            "(routing differs from the original)"
+        )
     if cfg.n_group > 1:
         G = cfg.n_group
         if num_experts % G:
-            raise ProxyInputError(f"--experts {num_experts} is not divisible by n_group={G} ({where}): "
-                                  "each routing group must keep the same number of experts")
+            raise ProxyInputError(
+                f"--experts {num_experts} is not divisible by n_group={G} ({where}): "
+                "each routing group must keep the same number of experts"
+            )
         if num_experts // G < 2:
-            raise ProxyInputError(f"--experts {num_experts} leaves {num_experts // G} expert(s) per routing group "
-                                  f"(n_group={G}, {where}); group-limited routing scores groups by their top 2")
+            raise ProxyInputError(
+                f"--experts {num_experts} leaves {num_experts // G} expert(s) per routing group "
+                f"(n_group={G}, {where}); group-limited routing scores groups by their top 2"
+            )
         if new_k > cfg.topk_group * (num_experts // G):
-            raise ProxyInputError(f"num_experts_per_tok={new_k} exceeds topk_group={cfg.topk_group} x "
-                                  f"{num_experts // G} experts per group after pruning ({where})")
+            raise ProxyInputError(
+                f"num_experts_per_tok={new_k} exceeds topk_group={cfg.topk_group} x "
+                f"{num_experts // G} experts per group after pruning ({where})"
+            )
     if cfg.scoring == "softmax" and not cfg.norm_topk_prob and cfg.model_type == "qwen3_moe":
-        warnings.append("norm_topk_prob=false: gates are softmax over all experts without renormalisation, so the "
-                        "pruned softmax denominator makes every kept expert's gate larger than in the original; "
-                        "MoE outputs are not preserved even for tokens whose top-k is kept")
+        warnings.append(
+            "norm_topk_prob=false: gates are softmax over all experts without renormalisation, so the "
+            "pruned softmax denominator makes every kept expert's gate larger than in the original; "
+            "MoE outputs are not preserved even for tokens whose top-k is kept"
+        )
     return new_k, warnings
 
 
 def _check_out_dir(src_dir: str, out_dir: str) -> None:
     s, o = os.path.realpath(src_dir), os.path.realpath(out_dir)
     if o == s or o.startswith(s + os.sep):
-        raise ProxyInputError(f"--out {out_dir} is inside the source model directory {src_dir}; "
-                              "the original checkpoint is never modified")
+        raise ProxyInputError(
+            f"--out {out_dir} is inside the source model directory {src_dir}; "
+            "the original checkpoint is never modified"
+        )
     if os.path.exists(out_dir):
         raise ProxyInputError(f"--out {out_dir} exists; refusing to overwrite")
     parent = os.path.dirname(o) or "."
@@ -113,10 +130,22 @@ def new_config(cfg: MoEConfig, num_experts: int, top_k: int) -> tuple[dict, dict
     return out, changes
 
 
-def prune_moe_checkpoint(src_dir: str, out_dir: str, num_experts: int, calib: str | list[str], *,
-                         method: str = "agglomerative", seed: int = 0, ep_size: int = 1,
-                         max_calib_tokens: int = 4096, representative: str = "mass", kappa: float = 1.0,
-                         clamp_topk: bool = False, allow_identity: bool = False, seq_len: int = 256) -> dict:
+def prune_moe_checkpoint(
+    src_dir: str,
+    out_dir: str,
+    num_experts: int,
+    calib: str | list[str],
+    *,
+    method: str = "agglomerative",
+    seed: int = 0,
+    ep_size: int = 1,
+    max_calib_tokens: int = 4096,
+    representative: str = "mass",
+    kappa: float = 1.0,
+    clamp_topk: bool = False,
+    allow_identity: bool = False,
+    seq_len: int = 256,
+) -> dict:
     """Prune every MoE layer of the HF checkpoint ``src_dir`` to ``num_experts`` routed experts.
 
     ``calib``: a ``.jsonl`` (``text`` or ``prompt`` field), ``.json`` list or ``.txt`` path, or a
@@ -159,19 +188,29 @@ def prune_moe_checkpoint(src_dir: str, out_dir: str, num_experts: int, calib: st
     for layer in sorted(layout):
         st = stats[layer]
         phi = expert_features(st.out_signature, st.router_rows, kappa)
-        clusters, reps = cluster_layer(phi, num_experts, method=method, seed=seed, n_group=cfg.n_group,
-                                       mass=st.mass, saliency=st.saliency, representative=representative)
+        clusters, reps = cluster_layer(
+            phi,
+            num_experts,
+            method=method,
+            seed=seed,
+            n_group=cfg.n_group,
+            mass=st.mass,
+            saliency=st.saliency,
+            representative=representative,
+        )
         order = sorted(range(len(reps)), key=lambda c: reps[c])  # new index j = rank of the kept id
         kept = [reps[c] for c in order]
         kept_by_layer[layer] = kept
-        layers_report.append({
-            "layer": layer,
-            "kept": kept,
-            "clusters": [clusters[c] for c in order],
-            "new_index": {str(e): j for j, e in enumerate(kept)},
-            "coverage": coverage(st.topk, st.gates, kept, cfg.num_experts),
-            "experts": layer_expert_table(st.count, st.mass, st.mean_gate, st.saliency, st.tokens),
-        })
+        layers_report.append(
+            {
+                "layer": layer,
+                "kept": kept,
+                "clusters": [clusters[c] for c in order],
+                "new_index": {str(e): j for j, e in enumerate(kept)},
+                "coverage": coverage(st.topk, st.gates, kept, cfg.num_experts),
+                "experts": layer_expert_table(st.count, st.mass, st.mean_gate, st.saliency, st.tokens),
+            }
+        )
     plan = pruned_tensor_plan(index, layout, kept_by_layer)
     config, changes = new_config(cfg, num_experts, new_k)
     new_shapes = {}
@@ -188,28 +227,45 @@ def prune_moe_checkpoint(src_dir: str, out_dir: str, num_experts: int, calib: st
         "model_type": cfg.model_type,
         "num_experts": {"original": cfg.num_experts, "proxy": num_experts},
         "top_k": {"original": cfg.top_k, "proxy": new_k},
-        "routing": {"scoring": cfg.scoring, "norm_topk_prob": cfg.norm_topk_prob, "n_group": cfg.n_group,
-                    "topk_group": cfg.topk_group},
+        "routing": {
+            "scoring": cfg.scoring,
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "n_group": cfg.n_group,
+            "topk_group": cfg.topk_group,
+        },
         "ep_size": ep_size,
         "experts_per_ep_rank": num_experts // ep_size,
         "method": method,
         "seed": seed,
-        "representative": {"mass": "highest routing mass (sum of gate weights on calibration tokens) in the "
-                                   "cluster; ties: saliency, then lowest id",
-                           "medoid": "smallest summed 1-cos distance to the cluster's members"}[representative],
-        "features": f"[unit(mean expert output over all calibration tokens); {kappa} * unit(router row)], 1-cos",
-        "calibration": {"texts": len(texts), "sequences": len(sequences),
-                        "tokens": int(sum(len(s) for s in sequences)), "seq_len": seq_len,
-                        "source": (f"list of {len(calib)} strings" if isinstance(calib, (list, tuple))
-                                   else os.fspath(calib))},
+        "representative": {
+            "mass": "highest routing mass (sum of gate weights on calibration tokens) in the "
+            "cluster; ties: saliency, then lowest id",
+            "medoid": "smallest summed 1-cos distance to the cluster's members",
+        }[representative],
+        "features": (
+            f"[unit(mean expert output over all calibration tokens); {kappa} * unit(router row)], 1-cos"
+        ),
+        "calibration": {
+            "texts": len(texts),
+            "sequences": len(sequences),
+            "tokens": int(sum(len(s) for s in sequences)),
+            "seq_len": seq_len,
+            "source": (
+                f"list of {len(calib)} strings" if isinstance(calib, (list, tuple)) else os.fspath(calib)
+            ),
+        },
         "config_changes": changes,
         "warnings": warnings,
-        "coverage_mean": {k: round(float(np.mean([lr["coverage"][k] for lr in layers_report])), 6)
-                          for k in cov_keys},
+        "coverage_mean": {
+            k: round(float(np.mean([lr["coverage"][k] for lr in layers_report])), 6) for k in cov_keys
+        },
         "params_flops": reductions(orig_pf, proxy_pf),
-        "tensors": {"copied_verbatim": sum(1 for s, r in plan.values() if r is None), "row_sliced":
-                    sum(1 for s, r in plan.values() if r is not None), "original": len(index.shapes),
-                    "proxy": len(plan)},
+        "tensors": {
+            "copied_verbatim": sum(1 for s, r in plan.values() if r is None),
+            "row_sliced": sum(1 for s, r in plan.values() if r is not None),
+            "original": len(index.shapes),
+            "proxy": len(plan),
+        },
         "layers": layers_report,
     }
     report["seconds"] = round(time.time() - t0, 2)

@@ -40,15 +40,19 @@ def same_value(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
 
 
-def check_dump_and_model(dump_dir: str, model_dir: str | None) -> tuple[dict, list[dict], dict, str, dict, list[str]]:
+def check_dump_and_model(
+    dump_dir: str, model_dir: str | None
+) -> tuple[dict, list[dict], dict, str, dict, list[str]]:
     """Read the dump and the model config and check they fit; no process group, no model yet."""
     from megarl.learner.model import load_hf_config
 
     meta, batches, state = read_dump(dump_dir)
     model = model_dir or default_weights(dump_dir, meta)
     if model is None:
-        raise DumpError(f"dump {dump_dir} holds no weights; give --model (an HF checkpoint of the weights "
-                        f"before step {meta['step']}, e.g. converted from {meta.get('checkpoint_before')})")
+        raise DumpError(
+            f"dump {dump_dir} holds no weights; give --model (an HF checkpoint of the weights "
+            f"before step {meta['step']}, e.g. converted from {meta.get('checkpoint_before')})"
+        )
     if not (Path(model) / "config.json").is_file():
         raise DumpError(f"--model {model}: no config.json (not a HF checkpoint directory)")
     hf = load_hf_config(model)
@@ -74,8 +78,9 @@ def full_state_dir(dump_dir: str, meta: dict) -> str | None:
     return None
 
 
-def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True,
-                old_logprobs: str = "auto") -> dict:
+def replay_dump(
+    dump_dir: str, model_dir: str | None = None, inject: bool = True, old_logprobs: str = "auto"
+) -> dict:
     """Replay the dump's optimizer steps on ``model_dir`` (default: the dump's weights); returns
     the report (recorded vs replayed metrics per optimizer step, events of both).
 
@@ -104,19 +109,30 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
     lay = meta["layout"]
     same_layout = world == lay["world_size"]
     if same_layout:
-        layout = ParallelLayout(tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], cp=lay["cp"],
-                                sequence_parallel=lay["sequence_parallel"], expert_tp=lay["expert_tp"])
+        layout = ParallelLayout(
+            tp=lay["tp"],
+            pp=lay["pp"],
+            ep=lay["ep"],
+            cp=lay["cp"],
+            sequence_parallel=lay["sequence_parallel"],
+            expert_tp=lay["expert_tp"],
+        )
     else:
         layout = ParallelLayout()
-        notes.append(f"the dump ran on {lay['world_size']} rank(s) (tp={lay['tp']}, pp={lay['pp']}, ep={lay['ep']}, "
-                     f"dp={lay.get('dp', 1)}); this replay on {world}: comparable numbers, not bit-exact ones")
+        notes.append(
+            f"the dump ran on {lay['world_size']} rank(s) (tp={lay['tp']}, pp={lay['pp']}, ep={lay['ep']}, "
+            f"dp={lay.get('dp', 1)}); this replay on {world}: comparable numbers, not bit-exact ones"
+        )
     cfg = from_dict(meta["run_config"])
     groups = initialize_parallel(layout, seed=cfg.model.seed)
     for b in batches:
         # data-parallel dumps hold every DP rank's share: this rank's, or all of them on one replica
         if b["dp_shares"]:
-            b["batch"] = b["dp_shares"][groups.dp_rank] if groups.dp_size == len(b["dp_shares"]) \
+            b["batch"] = (
+                b["dp_shares"][groups.dp_rank]
+                if groups.dp_size == len(b["dp_shares"])
                 else concat_batches(b["dp_shares"])
+            )
     learner = build_learner(cfg, hf, groups)
     full = full_state_dir(dump_dir, meta) if model_dir is None else None
     if full is not None:
@@ -138,14 +154,16 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
         suite.load_state_dict(state["detectors"])
     guard = NonFiniteGuard(learner).install() if dcfg.skip_nonfinite else None
     specs = [injection_from_dict(d, "dump injections") for d in meta.get("injections", [])] if inject else []
-    injector = Injector(learner.model, [s for s in specs if s.kind != "poison"], groups.device.type,
-                        learner.spec.vocab_size)
+    injector = Injector(
+        learner.model, [s for s in specs if s.kind != "poison"], groups.device.type, learner.spec.vocab_size
+    )
     spec = learner.spec
     router = RouterLoadCounter(learner.model, spec.moe_layers, spec.num_experts) if spec.is_moe else None
     if router is not None:
         router.start()
     recompute = old_logprobs == "recompute" or (
-        old_logprobs == "auto" and int(meta["model"]["num_experts"]) != learner.spec.num_experts)
+        old_logprobs == "auto" and int(meta["model"]["num_experts"]) != learner.spec.num_experts
+    )
     if recompute:
         for b in batches:
             mb = b["batch"]
@@ -156,11 +174,15 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
                 # keep the run's per-token engine-vs-learner difference, moved onto this model's policy
                 mb.rollout_logprobs = new_old + (mb.rollout_logprobs - mb.old_logprobs)
             mb.old_logprobs = new_old
-        notes.append("old logprobs recomputed with this model (on-policy, as the run was); rollout logprobs "
-                     "moved with them (the run's engine-vs-learner difference kept per token)")
+        notes.append(
+            "old logprobs recomputed with this model (on-policy, as the run was); rollout logprobs "
+            "moved with them (the run's engine-vs-learner difference kept per token)"
+        )
     replayed = []
     for i, b in enumerate(batches):
-        recorded_lr = (meta["optimizer_steps"][i] or {}).get("lr") if i < len(meta["optimizer_steps"]) else None
+        recorded_lr = (
+            (meta["optimizer_steps"][i] or {}).get("lr") if i < len(meta["optimizer_steps"]) else None
+        )
         if recorded_lr is not None:
             for g in learner.optimizer.param_groups:
                 g["lr"] = float(recorded_lr)
@@ -175,7 +197,9 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
     rec: dict = {f"train/{k}": sum(m[k] for m in replayed) / len(replayed) for k in replayed[-1]}
     if "train_rollout_logprob_gap" in replayed[0]:
         rec["faults/logprob_gap_first"] = replayed[0]["train_rollout_logprob_gap"]
-    lp = [(b["batch"].old_logprobs, b["batch"].rollout_logprobs, b["batch"].loss_mask.bool()) for b in batches]
+    lp = [
+        (b["batch"].old_logprobs, b["batch"].rollout_logprobs, b["batch"].loss_mask.bool()) for b in batches
+    ]
     if all(o is not None and r is not None for o, r, _ in lp):
         rec["rollout/logprob_gap_old"] = float(torch.cat([(o[m] - r[m]).abs() for o, r, m in lp]).mean())
     counts = None
@@ -190,17 +214,27 @@ def replay_dump(dump_dir: str, model_dir: str | None = None, inject: bool = True
     opt = []
     for i, m in enumerate(replayed):
         r = meta["optimizer_steps"][i] if i < len(meta["optimizer_steps"]) else {}
-        row = {"recorded": {k: _num(r.get(k)) for k in ("loss", "grad_norm")},
-               "replayed": {k: float(m[k]) for k in ("loss", "grad_norm")}}
+        row = {
+            "recorded": {k: _num(r.get(k)) for k in ("loss", "grad_norm")},
+            "replayed": {k: float(m[k]) for k in ("loss", "grad_norm")},
+        }
         row["exact"] = all(same_value(row["recorded"][k], row["replayed"][k]) for k in ("loss", "grad_norm"))
         opt.append(row)
     rec_types = sorted({e["type"] for e in meta.get("events", [])})
     got_types = sorted({e["type"] for e in events})
-    return {"dump": str(dump_dir), "step": step, "model": model, "notes": notes,
-            "injections": [s.kind for s in specs], "optimizer_steps": opt, "record": rec,
-            "events": events, "recorded_events": meta.get("events", []),
-            "same_event_types": rec_types == got_types,
-            "recorded_model": meta["model"]}
+    return {
+        "dump": str(dump_dir),
+        "step": step,
+        "model": model,
+        "notes": notes,
+        "injections": [s.kind for s in specs],
+        "optimizer_steps": opt,
+        "record": rec,
+        "events": events,
+        "recorded_events": meta.get("events", []),
+        "same_event_types": rec_types == got_types,
+        "recorded_model": meta["model"],
+    }
 
 
 def format_report(rep: dict) -> str:
@@ -211,12 +245,16 @@ def format_report(rep: dict) -> str:
         lines.append(f"  injections re-applied: {', '.join(rep['injections'])}")
     for i, o in enumerate(rep["optimizer_steps"]):
         r, p = o["recorded"], o["replayed"]
-        lines.append(f"  optimizer step {i + 1}: loss {p['loss']!r} (recorded {r['loss']!r})  grad_norm "
-                     f"{p['grad_norm']!r} (recorded {r['grad_norm']!r})  {'EXACT' if o['exact'] else 'differs'}")
+        lines.append(
+            f"  optimizer step {i + 1}: loss {p['loss']!r} (recorded {r['loss']!r})  grad_norm "
+            f"{p['grad_norm']!r} (recorded {r['grad_norm']!r})  {'EXACT' if o['exact'] else 'differs'}"
+        )
     rec = sorted({e["type"] for e in rep["recorded_events"]})
     got = sorted({e["type"] for e in rep["events"]})
-    lines.append(f"  events recorded: {', '.join(rec) or 'none'}; replayed: {', '.join(got) or 'none'}"
-                 f"  ({'same types' if rep['same_event_types'] else 'DIFFERENT types'})")
+    lines.append(
+        f"  events recorded: {', '.join(rec) or 'none'}; replayed: {', '.join(got) or 'none'}"
+        f"  ({'same types' if rep['same_event_types'] else 'DIFFERENT types'})"
+    )
     for e in rep["events"]:
         lines.append(f"    {e['type']}: {json.dumps(e['detail'], default=str)}")
     return "\n".join(lines)
@@ -225,16 +263,26 @@ def format_report(rep: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``megarl proxy replay DUMP [--model HF_DIR] [--no-inject] [--old-logprobs auto|dump|recompute]
     [--out report.json]``."""
-    ap = argparse.ArgumentParser(prog="megarl proxy replay",
-                                 description="Re-run a dumped trainer step (run_dir/dumps/step_N) on the original "
-                                             "weights or a proxy, and report loss, grad norm and the detectors.")
+    ap = argparse.ArgumentParser(
+        prog="megarl proxy replay",
+        description="Re-run a dumped trainer step (run_dir/dumps/step_N) on the original "
+        "weights or a proxy, and report loss, grad norm and the detectors.",
+    )
     ap.add_argument("dump", help="a step dump directory (run_dir/dumps/step_NNNNNN)")
-    ap.add_argument("--model", default=None, help="HF checkpoint to replay on (default: the dump's own "
-                                                  "pre-step weights); a proxy pruned from them works too")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint to replay on (default: the dump's own "
+        "pre-step weights); a proxy pruned from them works too",
+    )
     ap.add_argument("--no-inject", action="store_true", help="do not re-apply the step's injected faults")
-    ap.add_argument("--old-logprobs", default="auto", choices=["auto", "dump", "recompute"],
-                    help="old logprobs of the PPO ratio: the dumped ones, or recomputed by the replay model "
-                         "(auto: recompute when the expert count differs, i.e. on a proxy)")
+    ap.add_argument(
+        "--old-logprobs",
+        default="auto",
+        choices=["auto", "dump", "recompute"],
+        help="old logprobs of the PPO ratio: the dumped ones, or recomputed by the replay model "
+        "(auto: recompute when the expert count differs, i.e. on a proxy)",
+    )
     ap.add_argument("--out", default=None, help="write the report as JSON here")
     args = ap.parse_args(argv)
     try:

@@ -27,22 +27,39 @@ def param_flop_summary(shapes: dict[str, tuple[int, ...]], num_experts: int, top
     experts = sum(v for k, v in n.items() if _EXPERT_KEY.match(k))
     router = sum(v for k, v in n.items() if _ROUTER_KEY.match(k))
     tied = "lm_head.weight" not in shapes
-    matmul_other = sum(v for k, v in n.items() if not _EXPERT_KEY.match(k) and len(shapes[k]) >= 2
-                       and (k != "model.embed_tokens.weight" or tied))
+    matmul_other = sum(
+        v
+        for k, v in n.items()
+        if not _EXPERT_KEY.match(k) and len(shapes[k]) >= 2 and (k != "model.embed_tokens.weight" or tied)
+    )
     total = sum(n.values())
     active_experts = experts * top_k / num_experts
-    return {"total_params": total, "routed_expert_params": experts, "router_params": router,
-            "other_params": total - experts - router,
-            "active_params_per_token": int(total - experts + active_experts),
-            "forward_matmul_flops_per_token": int(2 * (matmul_other + active_experts))}
+    return {
+        "total_params": total,
+        "routed_expert_params": experts,
+        "router_params": router,
+        "other_params": total - experts - router,
+        "active_params_per_token": int(total - experts + active_experts),
+        "forward_matmul_flops_per_token": int(2 * (matmul_other + active_experts)),
+    }
 
 
 def reductions(orig: dict, proxy: dict) -> dict:
     """Ratios proxy / original and the relative savings of the ``param_flop_summary`` figures."""
     out = {}
-    for key in ("total_params", "routed_expert_params", "active_params_per_token", "forward_matmul_flops_per_token"):
+    for key in (
+        "total_params",
+        "routed_expert_params",
+        "active_params_per_token",
+        "forward_matmul_flops_per_token",
+    ):
         r = proxy[key] / orig[key] if orig[key] else 1.0
-        out[key] = {"original": orig[key], "proxy": proxy[key], "ratio": round(r, 6), "reduction": round(1 - r, 6)}
+        out[key] = {
+            "original": orig[key],
+            "proxy": proxy[key],
+            "ratio": round(r, 6),
+            "reduction": round(1 - r, 6),
+        }
     return out
 
 
@@ -58,15 +75,25 @@ def coverage(topk: torch.Tensor, gates: torch.Tensor, kept: list[int], num_exper
     keep[torch.tensor(kept, dtype=torch.long)] = True
     inside = keep[topk]  # [T, k]
     g = gates.double()
-    return {"routing_mass_covered": round(float((g * inside).sum() / g.sum().clamp_min(1e-30)), 6),
-            "token_assignments_covered": round(float(inside.double().mean()), 6),
-            "tokens_fully_covered": round(float(inside.all(-1).double().mean()), 6)}
+    return {
+        "routing_mass_covered": round(float((g * inside).sum() / g.sum().clamp_min(1e-30)), 6),
+        "token_assignments_covered": round(float(inside.double().mean()), 6),
+        "tokens_fully_covered": round(float(inside.all(-1).double().mean()), 6),
+    }
 
 
-def layer_expert_table(count: np.ndarray, mass: np.ndarray, mean_gate: np.ndarray, saliency: np.ndarray,
-                       tokens: int) -> list[dict]:
+def layer_expert_table(
+    count: np.ndarray, mass: np.ndarray, mean_gate: np.ndarray, saliency: np.ndarray, tokens: int
+) -> list[dict]:
     """Per-expert statistics as JSON rows (frequency, mass share, mean gate, saliency)."""
     total = float(mass.sum()) or 1.0
-    return [{"expert": e, "freq": round(float(count[e]) / max(tokens, 1), 6),
-             "mass_share": round(float(mass[e]) / total, 6), "mean_gate": round(float(mean_gate[e]), 6),
-             "saliency": round(float(saliency[e]), 6)} for e in range(len(count))]
+    return [
+        {
+            "expert": e,
+            "freq": round(float(count[e]) / max(tokens, 1), 6),
+            "mass_share": round(float(mass[e]) / total, 6),
+            "mean_gate": round(float(mean_gate[e]), 6),
+            "saliency": round(float(saliency[e]), 6),
+        }
+        for e in range(len(count))
+    ]

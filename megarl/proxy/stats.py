@@ -49,13 +49,19 @@ def read_calibration_texts(calib: str | list[str]) -> list[str]:
                         row = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise ProxyInputError(f"{path}: row {i} is not valid JSON ({e})") from None
-                    field = next((k for k in TEXT_FIELDS if isinstance(row, dict) and isinstance(row.get(k), str)),
-                                 None)
+                    field = next(
+                        (k for k in TEXT_FIELDS if isinstance(row, dict) and isinstance(row.get(k), str)),
+                        None,
+                    )
                     if field is None:
-                        raise ProxyInputError(f"{path}: row {i} has no string field {' or '.join(TEXT_FIELDS)}")
+                        raise ProxyInputError(
+                            f"{path}: row {i} has no string field {' or '.join(TEXT_FIELDS)}"
+                        )
                     text = row[field]
                     if field == "prompt":
-                        text += next((row[k] for k in ("response", "completion") if isinstance(row.get(k), str)), "")
+                        text += next(
+                            (row[k] for k in ("response", "completion") if isinstance(row.get(k), str)), ""
+                        )
                     texts.append(text)
         elif path.endswith(".json"):
             with open(path) as fh:
@@ -74,8 +80,9 @@ def read_calibration_texts(calib: str | list[str]) -> list[str]:
     return texts
 
 
-def tokenize_calibration(texts: list[str], tokenizer_dir: str, vocab_size: int, max_tokens: int,
-                         seq_len: int = 256) -> list[torch.Tensor]:
+def tokenize_calibration(
+    texts: list[str], tokenizer_dir: str, vocab_size: int, max_tokens: int, seq_len: int = 256
+) -> list[torch.Tensor]:
     """Tokenize, pack into sequences of at most ``seq_len`` tokens, cap at ``max_tokens`` in all.
 
     Returns a list of ``[L]`` long tensors. Raises ``ProxyInputError`` when there is no tokenizer,
@@ -85,11 +92,15 @@ def tokenize_calibration(texts: list[str], tokenizer_dir: str, vocab_size: int, 
 
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    except Exception as e:  # noqa: BLE001 — transformers raises OSError / ValueError / KeyError depending on what is missing
-        raise ProxyInputError(f"{tokenizer_dir}: no usable tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
+    except Exception as e:
+        raise ProxyInputError(
+            f"{tokenizer_dir}: no usable tokenizer ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
     if len(tok) < 2:
-        raise ProxyInputError(f"{tokenizer_dir}: no usable tokenizer (vocabulary of {len(tok)} tokens; "
-                              "tokenizer.json / tokenizer_config.json missing?)")
+        raise ProxyInputError(
+            f"{tokenizer_dir}: no usable tokenizer (vocabulary of {len(tok)} tokens; "
+            "tokenizer.json / tokenizer_config.json missing?)"
+        )
     stream: list[int] = []
     content = 0
     for t in texts:
@@ -102,11 +113,15 @@ def tokenize_calibration(texts: list[str], tokenizer_dir: str, vocab_size: int, 
             break
     stream = stream[:max_tokens]
     if content == 0 or len(stream) < 2:
-        raise ProxyInputError(f"calibration data tokenizes to {content} tokens with {tokenizer_dir}'s tokenizer")
+        raise ProxyInputError(
+            f"calibration data tokenizes to {content} tokens with {tokenizer_dir}'s tokenizer"
+        )
     bad = [i for i in stream if not 0 <= i < vocab_size]
     if bad:
-        raise ProxyInputError(f"calibration token id {bad[0]} is outside the model's vocab_size={vocab_size} "
-                              f"(tokenizer of {tokenizer_dir} does not match config.json)")
+        raise ProxyInputError(
+            f"calibration token id {bad[0]} is outside the model's vocab_size={vocab_size} "
+            f"(tokenizer of {tokenizer_dir} does not match config.json)"
+        )
     ids = torch.tensor(stream, dtype=torch.long)
     return list(ids.split(seq_len))
 
@@ -157,12 +172,15 @@ def expert_output(experts: torch.nn.Module, x: torch.Tensor, e: int) -> torch.Te
 
 
 @torch.no_grad()
-def collect_expert_stats(model: torch.nn.Module, sequences: list[torch.Tensor],
-                         layers: list[int]) -> dict[int, LayerStats]:
+def collect_expert_stats(
+    model: torch.nn.Module, sequences: list[torch.Tensor], layers: list[int]
+) -> dict[int, LayerStats]:
     """Run ``model`` on ``sequences`` and gather ``LayerStats`` for every MoE layer in ``layers``."""
     blocks = find_moe_blocks(model)
     if sorted(blocks) != sorted(layers):
-        raise ProxyInputError(f"MoE layers in the model {sorted(blocks)} differ from the checkpoint's {sorted(layers)}")
+        raise ProxyInputError(
+            f"MoE layers in the model {sorted(blocks)} differ from the checkpoint's {sorted(layers)}"
+        )
     captured: dict[int, list] = {layer: [] for layer in layers}
     active = {"on": True}
 
@@ -170,12 +188,19 @@ def collect_expert_stats(model: torch.nn.Module, sequences: list[torch.Tensor],
         def hook(mod, args, kwargs):
             if not active["on"]:
                 return
-            vals = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs]
+            vals = list(args) + [
+                kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs
+            ]
             x, idx, w = vals[:3]
-            captured[layer].append((x.detach().float().clone(), idx.detach().clone(), w.detach().float().clone()))
+            captured[layer].append(
+                (x.detach().float().clone(), idx.detach().clone(), w.detach().float().clone())
+            )
+
         return hook
 
-    handles = [blocks[layer].experts.register_forward_pre_hook(hook_for(layer), with_kwargs=True) for layer in layers]
+    handles = [
+        blocks[layer].experts.register_forward_pre_hook(hook_for(layer), with_kwargs=True) for layer in layers
+    ]
     try:
         for seq in sequences:
             model(seq[None])
@@ -199,12 +224,20 @@ def collect_expert_stats(model: torch.nn.Module, sequences: list[torch.Tensor],
         for e in range(E):
             y = expert_output(experts, x, e).double()  # [T, H]
             sig[e] = y.mean(0).numpy()
-            routed = (idx == e)
+            routed = idx == e
             tok = routed.any(-1)
             if tok.any():
                 g = (w.double() * routed).sum(-1)[tok]  # [T_e]
                 sal[e] = float((g * y[tok].norm(dim=-1)).mean())
-        out[layer] = LayerStats(layer=layer, tokens=T, count=count, mass=mass, saliency=sal, out_signature=sig,
-                                router_rows=blocks[layer].gate.weight.detach().double().numpy().copy(),
-                                topk=idx, gates=w)
+        out[layer] = LayerStats(
+            layer=layer,
+            tokens=T,
+            count=count,
+            mass=mass,
+            saliency=sal,
+            out_signature=sig,
+            router_rows=blocks[layer].gate.weight.detach().double().numpy().copy(),
+            topk=idx,
+            gates=w,
+        )
     return out

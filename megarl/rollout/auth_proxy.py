@@ -19,7 +19,6 @@ import hmac
 import json
 import signal
 import sys
-from typing import Optional
 
 import httpx
 
@@ -31,14 +30,32 @@ OPEN, API, ADMIN = "open", "api", "admin"
 # Route -> key needed, for vLLM's OpenAI server in dev mode. Anything not listed is refused.
 VLLM_ROUTES: dict[str, str] = {
     "/health": OPEN,
-    "/v1/completions": API, "/v1/chat/completions": API, "/v1/models": API,
-    "/tokenize": API, "/detokenize": API, "/weight_info": API,
-    "/pause": ADMIN, "/resume": ADMIN, "/is_paused": ADMIN, "/collective_rpc": ADMIN,
-    "/reset_prefix_cache": ADMIN, "/update_weight_version": ADMIN, "/sleep": ADMIN,
-    "/wake_up": ADMIN, "/is_sleeping": ADMIN, "/abort_requests": ADMIN,
+    "/v1/completions": API,
+    "/v1/chat/completions": API,
+    "/v1/models": API,
+    "/tokenize": API,
+    "/detokenize": API,
+    "/weight_info": API,
+    "/pause": ADMIN,
+    "/resume": ADMIN,
+    "/is_paused": ADMIN,
+    "/collective_rpc": ADMIN,
+    "/reset_prefix_cache": ADMIN,
+    "/update_weight_version": ADMIN,
+    "/sleep": ADMIN,
+    "/wake_up": ADMIN,
+    "/is_sleeping": ADMIN,
+    "/abort_requests": ADMIN,
 }
-HOP_HEADERS = {"host", "authorization", "connection", "content-length", "transfer-encoding", "keep-alive",
-               "x-api-key"}
+HOP_HEADERS = {
+    "host",
+    "authorization",
+    "connection",
+    "content-length",
+    "transfer-encoding",
+    "keep-alive",
+    "x-api-key",
+}
 
 
 def _json_error(status: int, message: str) -> Response:
@@ -49,16 +66,24 @@ def _json_error(status: int, message: str) -> Response:
 class AuthProxy:
     """Check the key of each request against ``routes``, then forward it to ``upstream``."""
 
-    def __init__(self, upstream: str, keys: RolloutKeys, routes: dict[str, str] = VLLM_ROUTES,
-                 upstream_key: Optional[str] = None, host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        upstream: str,
+        keys: RolloutKeys,
+        routes: dict[str, str] = VLLM_ROUTES,
+        upstream_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 600.0,
+    ):
         self.keys, self.routes = keys, routes
         self.upstream_key = upstream_key if upstream_key is not None else keys.api_key
-        self._client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s,
-                                         limits=httpx.Limits(max_connections=256))
+        self._client = httpx.AsyncClient(
+            base_url=upstream.rstrip("/"), timeout=timeout_s, limits=httpx.Limits(max_connections=256)
+        )
         self.server = MiniServer(self.handle, host, port)
 
-    async def start(self) -> "AuthProxy":
+    async def start(self) -> AuthProxy:
         await self.server.start()
         return self
 
@@ -108,7 +133,7 @@ async def _main(args: argparse.Namespace) -> None:
     await proxy.stop()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Command-line entry of the forwarder (keys from the environment or a key file only)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--listen", required=True, help="HOST:PORT to listen on (the node's job-network address)")

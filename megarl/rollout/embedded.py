@@ -13,8 +13,9 @@ import asyncio
 import os
 import re
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -55,17 +56,25 @@ def fuse_expert_tensors(state: dict[str, torch.Tensor], model_keys: set[str]) ->
             out[k] = v
     for prefix, d in parts.items():
         E = 1 + max(e for e, _ in d)
-        missing = [f"{prefix}.{e}.{w}_proj.weight" for e in range(E) for w in ("gate", "up", "down") if (e, w) not in d]
+        missing = [
+            f"{prefix}.{e}.{w}_proj.weight"
+            for e in range(E)
+            for w in ("gate", "up", "down")
+            if (e, w) not in d
+        ]
         if missing:
             raise ValueError(f"expert tensors {missing[:3]} are missing (fused experts need all of them)")
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([d[(e, "gate")], d[(e, "up")]], 0) for e in range(E)])
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([d[(e, "gate")], d[(e, "up")]], 0) for e in range(E)]
+        )
         out[f"{prefix}.down_proj"] = torch.stack([d[(e, "down")] for e in range(E)])
     return out
 
 
 @torch.no_grad()
-def teacher_forced_logprobs(model: torch.nn.Module, prompt_ids: Sequence[int],
-                            response_ids: Sequence[int]) -> torch.Tensor:
+def teacher_forced_logprobs(
+    model: torch.nn.Module, prompt_ids: Sequence[int], response_ids: Sequence[int]
+) -> torch.Tensor:
     """log p(response[i] | prompt, response[:i]) under ``model`` in fp32 arithmetic: [R] float32.
 
     This is how the learner recomputes the logprobs of rollout tokens (teacher forcing).
@@ -73,7 +82,7 @@ def teacher_forced_logprobs(model: torch.nn.Module, prompt_ids: Sequence[int],
     ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long)
     logits = model(input_ids=ids).logits[0].float()  # [P+R, V]
     P, R = len(prompt_ids), len(response_ids)
-    logp = torch.log_softmax(logits[P - 1:P + R - 1], dim=-1)  # rows that scored the response tokens
+    logp = torch.log_softmax(logits[P - 1 : P + R - 1], dim=-1)  # rows that scored the response tokens
     return logp.gather(-1, torch.tensor(response_ids).unsqueeze(-1)).squeeze(-1)
 
 
@@ -86,13 +95,25 @@ class EmbeddedEngine(RolloutEngine):
       tokenizer: needed only for stop strings (``decode`` of the generated ids).
     """
 
-    def __init__(self, model: torch.nn.Module, *, name: str = "embedded", tokenizer: Any = None,
-                 eos_token_ids: Optional[Sequence[int]] = None, max_model_len: Optional[int] = None,
-                 max_concurrency: int = 64, weight_version: str = "0"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        name: str = "embedded",
+        tokenizer: Any = None,
+        eos_token_ids: Sequence[int] | None = None,
+        max_model_len: int | None = None,
+        max_concurrency: int = 64,
+        weight_version: str = "0",
+    ):
         cfg = model.config
-        super().__init__(name, max_concurrency=max_concurrency, vocab_size=int(cfg.vocab_size),
-                         max_model_len=max_model_len or int(getattr(cfg, "max_position_embeddings", 0)) or None,
-                         weight_version=weight_version)
+        super().__init__(
+            name,
+            max_concurrency=max_concurrency,
+            vocab_size=int(cfg.vocab_size),
+            max_model_len=max_model_len or int(getattr(cfg, "max_position_embeddings", 0)) or None,
+            weight_version=weight_version,
+        )
         self.model = model.eval()
         self.tokenizer = tokenizer
         if eos_token_ids is None:
@@ -101,18 +122,20 @@ class EmbeddedEngine(RolloutEngine):
         self.eos_token_ids = list(eos_token_ids)
         self._lock = threading.Lock()  # one request at a time on the model; weight loads wait for it
         self._abort_flags: dict[str, threading.Event] = {}
-        self.dead_reason: Optional[str] = None
-        self._cache_arg: Optional[str] = None
+        self.dead_reason: str | None = None
+        self._cache_arg: str | None = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                        **kw: Any) -> "EmbeddedEngine":
+    def from_pretrained(
+        cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, **kw: Any
+    ) -> EmbeddedEngine:
         """Load a HF checkpoint directory (and its tokenizer, when present) into an engine."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if "tokenizer" not in kw and (Path(model_dir) / "tokenizer.json").exists():
             from transformers import AutoTokenizer
+
             kw["tokenizer"] = AutoTokenizer.from_pretrained(model_dir)
         return cls(model, **kw)
 
@@ -125,8 +148,9 @@ class EmbeddedEngine(RolloutEngine):
             samples = await asyncio.to_thread(self._generate_sync, req, flag)
         finally:
             self._abort_flags.pop(req.request_id, None)
-        return GenerateResult(prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name,
-                              request_id=req.request_id)
+        return GenerateResult(
+            prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name, request_id=req.request_id
+        )
 
     @torch.no_grad()
     def _generate_sync(self, req: GenerateRequest, abort: threading.Event) -> list[Sample]:
@@ -140,11 +164,13 @@ class EmbeddedEngine(RolloutEngine):
             out = self.model(input_ids=ids, use_cache=True)
             tokens: list[list[int]] = [[] for _ in range(n)]
             logprobs: list[list[float]] = [[] for _ in range(n)]
-            finish: list[Optional[str]] = [None] * n
+            finish: list[str | None] = [None] * n
             stop_reason: list[Any] = [None] * n
             for _step in range(sp.max_new_tokens):
                 if self.dead_reason is not None:
-                    raise EngineDeadError(f"{self.name}: engine shut down during generation ({self.dead_reason})")
+                    raise EngineDeadError(
+                        f"{self.name}: engine shut down during generation ({self.dead_reason})"
+                    )
                 if abort.is_set():
                     break
                 logits = out.logits[:, -1, :].float()  # [n, V]
@@ -172,14 +198,22 @@ class EmbeddedEngine(RolloutEngine):
                     break
                 out = self.model(input_ids=nxt.unsqueeze(-1), use_cache=True, **self._cache_kw(out))
             aborted = abort.is_set()
-            return [Sample(token_ids=tokens[i], logprobs=logprobs[i],
-                           finish_reason=finish[i] or ("abort" if aborted else "length"),
-                           weight_version=version, stop_reason=stop_reason[i]) for i in range(n)]
+            return [
+                Sample(
+                    token_ids=tokens[i],
+                    logprobs=logprobs[i],
+                    finish_reason=finish[i] or ("abort" if aborted else "length"),
+                    weight_version=version,
+                    stop_reason=stop_reason[i],
+                )
+                for i in range(n)
+            ]
 
     def _cache_kw(self, out: Any) -> dict:
         # transformers >= 5.2x names the KV cache ``cache``; older releases ``past_key_values``.
         if self._cache_arg is None:
             import inspect
+
             params = inspect.signature(self.model.forward).parameters
             self._cache_arg = "cache" if "cache" in params else "past_key_values"
         cache = getattr(out, "cache", None)
@@ -188,7 +222,7 @@ class EmbeddedEngine(RolloutEngine):
         return {self._cache_arg: cache}
 
     # ----------------------------------------------------------------------------- control
-    async def abort(self, request_id: Optional[str] = None) -> int:
+    async def abort(self, request_id: str | None = None) -> int:
         """Stop decoding the request(s); callers get the tokens so far with finish_reason "abort"."""
         ids = [request_id] if request_id is not None else list(self._abort_flags)
         count = 0
@@ -199,25 +233,32 @@ class EmbeddedEngine(RolloutEngine):
                 count += 1
         return count
 
-    async def update_weights(self, weights_dir: str | os.PathLike, version: Optional[str] = None) -> None:
+    async def update_weights(self, weights_dir: str | os.PathLike, version: str | None = None) -> None:
         """Load a HF safetensors checkpoint into the model (after the running request finishes)."""
         from safetensors.torch import load_file
 
         names = set(self.model.state_dict().keys())
-        found = set(fuse_expert_tensors({k: torch.empty(0) for k in check_weights_dir(weights_dir)}, names)
-                    ) if any(k.endswith("experts.gate_up_proj") for k in names) else check_weights_dir(weights_dir)
+        found = (
+            set(fuse_expert_tensors({k: torch.empty(0) for k in check_weights_dir(weights_dir)}, names))
+            if any(k.endswith("experts.gate_up_proj") for k in names)
+            else check_weights_dir(weights_dir)
+        )
         missing = sorted(names - found)
         if missing:
             from megarl.rollout.types import WeightsDirError
+
             raise WeightsDirError(f"{weights_dir}: tensors {missing[:5]} of the model are missing")
         state: dict[str, torch.Tensor] = {}
         for f in sorted(Path(weights_dir).glob("*.safetensors")):
             state.update(load_file(str(f)))
         await self.update_weights_from_tensors(state, version)
 
-    async def update_weights_from_tensors(self, state: dict[str, torch.Tensor], version: Optional[str] = None) -> None:
+    async def update_weights_from_tensors(
+        self, state: dict[str, torch.Tensor], version: str | None = None
+    ) -> None:
         """Copy in-memory tensors (HF names; per-expert MoE tensors are fused for models that store
         experts fused) into the model; shapes must match."""
+
         def load() -> None:
             with self._lock:
                 own = self.model.state_dict()
@@ -226,11 +267,14 @@ class EmbeddedEngine(RolloutEngine):
                     if k not in own:
                         continue
                     if own[k].shape != v.shape:
-                        raise ValueError(f"{self.name}: tensor {k} has shape {tuple(v.shape)}, "
-                                         f"model expects {tuple(own[k].shape)}")
+                        raise ValueError(
+                            f"{self.name}: tensor {k} has shape {tuple(v.shape)}, "
+                            f"model expects {tuple(own[k].shape)}"
+                        )
                     own[k].copy_(v)
                 if version is not None:
                     self.weight_version = version
+
         await asyncio.to_thread(load)
 
     async def health(self) -> bool:

@@ -12,10 +12,16 @@ import abc
 import asyncio
 import itertools
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
-from megarl.rollout.types import (BadRequestError, GenerateRequest, GenerateResult, Sample, SamplingParams,
-                                  validate_prompt_ids)
+from megarl.rollout.types import (
+    BadRequestError,
+    GenerateRequest,
+    GenerateResult,
+    Sample,
+    SamplingParams,
+    validate_prompt_ids,
+)
 
 _request_counter = itertools.count()
 
@@ -29,8 +35,14 @@ class RolloutEngine(abc.ABC):
       vocab_size / max_model_len: client-side limits checked before anything is sent.
     """
 
-    def __init__(self, name: str, max_concurrency: int = 32, vocab_size: Optional[int] = None,
-                 max_model_len: Optional[int] = None, weight_version: str = "0"):
+    def __init__(
+        self,
+        name: str,
+        max_concurrency: int = 32,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+        weight_version: str = "0",
+    ):
         if max_concurrency < 1:
             raise ValueError(f"{name}: max_concurrency must be >= 1, got {max_concurrency}")
         self.name = name
@@ -51,8 +63,14 @@ class RolloutEngine(abc.ABC):
         """Requests waiting for a slot plus requests in flight (used for load balancing)."""
         return self._waiting + len(self._inflight)
 
-    async def generate(self, prompt_ids: Sequence[int], n: int = 1, sampling: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, return_routed_experts: bool = False) -> GenerateResult:
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        n: int = 1,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> GenerateResult:
         """Generate ``n`` samples for one prompt of token ids.
 
         Returns one ``Sample`` per sample with token ids, per-token logprobs, finish reason
@@ -63,11 +81,17 @@ class RolloutEngine(abc.ABC):
         sampling = (sampling or SamplingParams()).validate()
         if n < 1:
             raise BadRequestError(f"{self.name}: n must be >= 1, got {n}")
-        ids = validate_prompt_ids(prompt_ids, self.vocab_size, self.name, self.max_model_len,
-                                  sampling.max_new_tokens)
+        ids = validate_prompt_ids(
+            prompt_ids, self.vocab_size, self.name, self.max_model_len, sampling.max_new_tokens
+        )
         rid = request_id or f"megarl-{os.getpid()}-{next(_request_counter)}"
-        req = GenerateRequest(prompt_ids=ids, n=n, sampling=sampling, request_id=rid,
-                              return_routed_experts=return_routed_experts)
+        req = GenerateRequest(
+            prompt_ids=ids,
+            n=n,
+            sampling=sampling,
+            request_id=rid,
+            return_routed_experts=return_routed_experts,
+        )
         self._waiting += 1
         try:
             await self._not_paused.wait()
@@ -95,16 +119,22 @@ class RolloutEngine(abc.ABC):
             self._slots.release()
 
     def _aborted_result(self, req: GenerateRequest) -> GenerateResult:
-        return GenerateResult(prompt_ids=list(req.prompt_ids), request_id=req.request_id, engine=self.name,
-                              samples=[Sample(token_ids=[], logprobs=[], finish_reason="abort",
-                                              weight_version=self.weight_version) for _ in range(req.n)])
+        return GenerateResult(
+            prompt_ids=list(req.prompt_ids),
+            request_id=req.request_id,
+            engine=self.name,
+            samples=[
+                Sample(token_ids=[], logprobs=[], finish_reason="abort", weight_version=self.weight_version)
+                for _ in range(req.n)
+            ],
+        )
 
     @abc.abstractmethod
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
         """Engine-specific generation of one validated request."""
 
     # ----------------------------------------------------------------------------- control
-    async def abort(self, request_id: Optional[str] = None) -> int:
+    async def abort(self, request_id: str | None = None) -> int:
         """Abort one in-flight request (or all with ``None``); their callers get finish_reason "abort".
 
         Returns how many requests were aborted. The default cancels the HTTP call (servers abort
@@ -133,14 +163,14 @@ class RolloutEngine(abc.ABC):
         return not self._not_paused.is_set()
 
     @abc.abstractmethod
-    async def update_weights(self, weights_dir: str | os.PathLike, version: Optional[str] = None) -> None:
+    async def update_weights(self, weights_dir: str | os.PathLike, version: str | None = None) -> None:
         """Load new weights from a HF checkpoint directory; later samples carry ``version``."""
 
     @abc.abstractmethod
     async def health(self) -> bool:
         """True when the engine can serve a request now."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (a no-op by default, not abstract: most engines hold nothing)
         """Release client resources (not the server)."""
 
     async def __aenter__(self):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -34,7 +35,7 @@ class StepResult:
 class Environment(Protocol):
     """A multi-turn environment over token ids."""
 
-    def reset(self, seed: Optional[int] = None) -> list[int]:
+    def reset(self, seed: int | None = None) -> list[int]:
         """Start an episode; return the first prompt as token ids."""
 
     def step(self, action_ids: list[int]) -> StepResult:
@@ -48,13 +49,13 @@ class GuessingGame:
 
     def __init__(self, tokenizer: Any, lo: int = 1, hi: int = 100, max_turns: int = 3):
         self.tok, self.lo, self.hi, self.max_turns = tokenizer, lo, hi, max_turns
-        self.secret: Optional[int] = None
+        self.secret: int | None = None
         self.turn = 0
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def reset(self, seed: Optional[int] = None) -> list[int]:
+    def reset(self, seed: int | None = None) -> list[int]:
         self.secret = random.Random(seed).randint(self.lo, self.hi)
         self.turn = 0
         return self._encode(f"user: Guess my number between {self.lo} and {self.hi}.\nassistant:")
@@ -91,7 +92,7 @@ class Episode:
     turn_spans: list[tuple[int, int, str]]
     prompt_len: int
     rewards: list[float]
-    weight_versions: list[Optional[str]]
+    weight_versions: list[str | None]
     truncated: bool = False
     finish_reasons: list[str] = field(default_factory=list)
 
@@ -100,8 +101,14 @@ class Episode:
         return float(sum(self.rewards))
 
 
-async def run_episode(engine: RolloutEngine, env: Environment, sampling: SamplingParams, max_turns: int = 8,
-                      seed: Optional[int] = None, max_len: Optional[int] = None) -> Episode:
+async def run_episode(
+    engine: RolloutEngine,
+    env: Environment,
+    sampling: SamplingParams,
+    max_turns: int = 8,
+    seed: int | None = None,
+    max_len: int | None = None,
+) -> Episode:
     """Play one episode: generate, step the environment, append its observation, repeat until done,
     ``max_turns`` or the length limit (``truncated``)."""
     prompt = list(env.reset(seed))
@@ -118,8 +125,9 @@ async def run_episode(engine: RolloutEngine, env: Environment, sampling: Samplin
                 break
             if sp.max_new_tokens > room:
                 sp = SamplingParams(**{**sp.__dict__, "max_new_tokens": room})
-        res = await engine.generate(tokens, n=1, sampling=sp,
-                                    request_id=None if seed is None else f"episode-{seed}-turn-{turn}")
+        res = await engine.generate(
+            tokens, n=1, sampling=sp, request_id=None if seed is None else f"episode-{seed}-turn-{turn}"
+        )
         s = res.samples[0]
         start = len(tokens)
         tokens += s.token_ids
@@ -151,8 +159,9 @@ async def run_episode(engine: RolloutEngine, env: Environment, sampling: Samplin
     return ep
 
 
-def episodes_to_batch(episodes: Sequence[Episode], group_ids: Sequence[int],
-                      policy_versions: Optional[Sequence[int]] = None) -> PackedBatch:
+def episodes_to_batch(
+    episodes: Sequence[Episode], group_ids: Sequence[int], policy_versions: Sequence[int] | None = None
+) -> PackedBatch:
     """Pack episodes into a ``PackedBatch``: ``loss_mask`` covers generated tokens only,
     ``rollout_logprobs`` holds the engine's logprobs, ``turn_spans`` the turn structure, and
     ``rewards`` the episode's total reward."""
@@ -163,7 +172,8 @@ def episodes_to_batch(episodes: Sequence[Episode], group_ids: Sequence[int],
     if policy_versions is not None:
         kw["policy_versions"] = torch.as_tensor(list(policy_versions), dtype=torch.long)
     return PackedBatch(
-        tokens=torch.tensor([t for e in episodes for t in e.tokens], dtype=torch.long), cu_seqlens=cu,
+        tokens=torch.tensor([t for e in episodes for t in e.tokens], dtype=torch.long),
+        cu_seqlens=cu,
         prompt_lens=torch.tensor([e.prompt_len for e in episodes], dtype=torch.long),
         loss_mask=torch.tensor([m for e in episodes for m in e.loss_mask], dtype=torch.float32),
         group_ids=torch.as_tensor(list(group_ids), dtype=torch.long),
@@ -171,4 +181,5 @@ def episodes_to_batch(episodes: Sequence[Episode], group_ids: Sequence[int],
         truncated=torch.tensor([e.truncated for e in episodes]),
         turn_spans=[list(e.turn_spans) for e in episodes],
         rollout_logprobs=torch.tensor([x for e in episodes for x in e.logprobs], dtype=torch.float32),
-        **kw).validate()
+        **kw,
+    ).validate()

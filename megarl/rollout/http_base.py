@@ -4,13 +4,18 @@ and one mapping from transport failures / HTTP statuses to the rollout error typ
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
 from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.types import (AuthError, BadRequestError, EngineDeadError, EngineUnavailableError,
-                                  RolloutError)
+from megarl.rollout.types import (
+    AuthError,
+    BadRequestError,
+    EngineDeadError,
+    EngineUnavailableError,
+    RolloutError,
+)
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -36,20 +41,38 @@ class HttpEngine(RolloutEngine):
     both as ``Authorization: Bearer``. ``timeout_s`` bounds one HTTP call (generation included).
     """
 
-    def __init__(self, base_url: str, *, name: Optional[str] = None, api_key: Optional[str] = None,
-                 admin_key: Optional[str] = None, timeout_s: float = 600.0, max_concurrency: int = 32,
-                 vocab_size: Optional[int] = None, max_model_len: Optional[int] = None,
-                 weight_version: str = "0"):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str | None = None,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_concurrency: int = 32,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+        weight_version: str = "0",
+    ):
         base_url = base_url.rstrip("/")
-        super().__init__(name or base_url, max_concurrency=max_concurrency, vocab_size=vocab_size,
-                         max_model_len=max_model_len, weight_version=weight_version)
+        super().__init__(
+            name or base_url,
+            max_concurrency=max_concurrency,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            weight_version=weight_version,
+        )
         self.base_url = base_url
         self._api_key = api_key
         self._admin_key = admin_key if admin_key is not None else api_key
-        self.dead_reason: Optional[str] = None
+        self.dead_reason: str | None = None
         self._client = httpx.AsyncClient(
-            base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8))
+            base_url=base_url,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(
+                max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8
+            ),
+        )
 
     def _headers(self, admin: bool) -> dict[str, str]:
         key = self._admin_key if admin else self._api_key
@@ -60,10 +83,19 @@ class HttpEngine(RolloutEngine):
         if self.dead_reason is None:
             self.dead_reason = reason
 
-    async def request(self, method: str, path: str, *, json_body: Any = None, admin: bool = False,
-                      params: Optional[dict] = None, timeout_s: Optional[float] = None,
-                      expect_json: bool = True, content: Optional[bytes] = None,
-                      headers: Optional[dict[str, str]] = None) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        admin: bool = False,
+        params: dict | None = None,
+        timeout_s: float | None = None,
+        expect_json: bool = True,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         """One HTTP call; returns the parsed JSON (or text) body, raises a ``RolloutError`` subtype.
         ``content`` sends raw bytes as a JSON body (for contract tests of malformed requests)."""
         if self.dead_reason is not None:
@@ -83,7 +115,9 @@ class HttpEngine(RolloutEngine):
             self.mark_dead(reason)
             raise EngineDeadError(f"{self.name}: {reason}") from e
         except httpx.TimeoutException as e:
-            raise EngineUnavailableError(f"{self.name}: {method} {path} timed out ({type(e).__name__})") from e
+            raise EngineUnavailableError(
+                f"{self.name}: {method} {path} timed out ({type(e).__name__})"
+            ) from e
         if resp.status_code >= 400:
             self._raise_for_status(method, path, resp)
         if not expect_json:

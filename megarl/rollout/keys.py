@@ -26,7 +26,7 @@ class RolloutKeys:
     admin_key: str
 
     @staticmethod
-    def generate() -> "RolloutKeys":
+    def generate() -> RolloutKeys:
         """Two fresh 256-bit random keys."""
         return RolloutKeys(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
 
@@ -45,12 +45,14 @@ class RolloutKeys:
         return p
 
     @staticmethod
-    def read(path: str | os.PathLike) -> "RolloutKeys":
+    def read(path: str | os.PathLike) -> RolloutKeys:
         """Read a key file; refuse one that other users can read."""
         p = Path(path)
         mode = p.stat().st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise PermissionError(f"{p}: key file must be readable by its owner only (mode {oct(mode & 0o777)})")
+            raise PermissionError(
+                f"{p}: key file must be readable by its owner only (mode {oct(mode & 0o777)})"
+            )
         data = json.loads(p.read_text())
         try:
             return RolloutKeys(str(data["api_key"]), str(data["admin_key"]))
@@ -58,8 +60,9 @@ class RolloutKeys:
             raise ValueError(f"{p}: key file lacks the field {e}") from e
 
     @staticmethod
-    def from_env(environ: dict | None = None) -> "RolloutKeys":
-        """Keys from ``MEGARL_ROLLOUT_API_KEY``/``..._ADMIN_KEY`` or the file named by ``MEGARL_ROLLOUT_KEY_FILE``."""
+    def from_env(environ: dict | None = None) -> RolloutKeys:
+        """Keys from ``MEGARL_ROLLOUT_API_KEY``/``..._ADMIN_KEY`` or the file named by
+        ``MEGARL_ROLLOUT_KEY_FILE``."""
         env = os.environ if environ is None else environ
         if env.get(KEY_FILE_ENV):
             return RolloutKeys.read(env[KEY_FILE_ENV])

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import atexit
 import json
-import shlex
 import os
 import select
+import shlex
 import signal
 import socket
 import subprocess
@@ -25,7 +25,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import httpx
 
@@ -69,7 +68,7 @@ class VLLMServerConfig:
     python: str = field(default_factory=default_vllm_python)
     served_model_name: str = "policy"
     port: int = 0
-    expose_host: Optional[str] = None
+    expose_host: str | None = None
     expose_port: int = 0
     dtype: str = "bfloat16"
     max_model_len: int = 1024
@@ -77,7 +76,7 @@ class VLLMServerConfig:
     enforce_eager: bool = True
     kv_cache_gib: int = 1
     startup_timeout_s: float = 300.0
-    work_dir: Optional[str] = None
+    work_dir: str | None = None
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     command_prefix: list[str] = field(default_factory=list)
@@ -95,7 +94,7 @@ class _ServerProcess:
         self.work_dir = Path(cfg.work_dir or Path(cfg.model_dir).parent / f"{self.kind}-{self.port}")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.work_dir / "server.log"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         cfg_json = json.loads((Path(cfg.model_dir) / "config.json").read_text())
         self.vocab_size = int(cfg_json["vocab_size"])
 
@@ -118,7 +117,7 @@ class _ServerProcess:
             self.proc.wait(30)
 
     @staticmethod
-    def _terminate(p: Optional[subprocess.Popen], timeout_s: float) -> None:
+    def _terminate(p: subprocess.Popen | None, timeout_s: float) -> None:
         """SIGTERM ``p``'s process group, SIGKILL after ``timeout_s``."""
         if p is None or p.poll() is not None:
             return
@@ -149,8 +148,8 @@ class VLLMServer(_ServerProcess):
 
     def __init__(self, cfg: VLLMServerConfig, keys: RolloutKeys):
         super().__init__(cfg, keys)
-        self.proxy_proc: Optional[subprocess.Popen] = None
-        self.proxy_url: Optional[str] = None
+        self.proxy_proc: subprocess.Popen | None = None
+        self.proxy_url: str | None = None
 
     @property
     def loopback_url(self) -> str:
@@ -163,9 +162,25 @@ class VLLMServer(_ServerProcess):
 
     def command(self) -> list[str]:
         c = self.cfg
-        cmd = [c.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(c.model_dir),
-               "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", c.dtype, "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs)]
+        cmd = [
+            c.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(c.model_dir),
+            "--served-model-name",
+            c.served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            c.dtype,
+            "--max-model-len",
+            str(c.max_model_len),
+            "--max-num-seqs",
+            str(c.max_num_seqs),
+        ]
         if c.enforce_eager:
             cmd.append("--enforce-eager")
         return c.command_prefix + cmd + list(c.extra_args)
@@ -173,32 +188,42 @@ class VLLMServer(_ServerProcess):
     def environment(self) -> dict[str, str]:
         cache = self.work_dir / "cache"
         env = dict(os.environ)
-        env.update({
-            "VLLM_API_KEY": self.keys.api_key,  # the environment, not argv: /proc/PID/cmdline is public
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_cache_gib),
-            "VLLM_CACHE_ROOT": str(cache / "vllm"),
-            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-            "TRITON_CACHE_DIR": str(cache / "triton"),
-            "XDG_CACHE_HOME": str(cache),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "VLLM_API_KEY": self.keys.api_key,  # the environment, not argv: /proc/PID/cmdline is public
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_cache_gib),
+                "VLLM_CACHE_ROOT": str(cache / "vllm"),
+                "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                "TRITON_CACHE_DIR": str(cache / "triton"),
+                "XDG_CACHE_HOME": str(cache),
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.pop("VIRTUAL_ENV", None)
         env.update(self.cfg.extra_env)
         return env
 
-    def start(self) -> "VLLMServer":
+    def start(self) -> VLLMServer:
         """Start the server (and forwarder) and block until /health answers or raise ServerLaunchError."""
         if not Path(self.cfg.python).exists() and not self.cfg.command_prefix:
             raise ServerLaunchError(
                 f"vLLM python {self.cfg.python} does not exist: run `bash tests/setup/20-vllm.sh` "
-                "or set MEGARL_VLLM_PYTHON")
+                "or set MEGARL_VLLM_PYTHON"
+            )
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=self.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         atexit.register(self.stop)  # its own session: not killed with us unless stopped
         try:
             _wait_healthy(self.proc, self.loopback_url, self.log_path, self.cfg.startup_timeout_s, "vLLM")
@@ -214,10 +239,24 @@ class VLLMServer(_ServerProcess):
         port = self.cfg.expose_port or free_port(host)
         env = dict(os.environ)
         env.update(self.keys.env())
-        cmd = self.cfg.command_prefix + [sys.executable, "-m", "megarl.rollout.auth_proxy",
-                                         "--listen", f"{host}:{port}", "--upstream", self.loopback_url]
-        self.proxy_proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+        cmd = self.cfg.command_prefix + [
+            sys.executable,
+            "-m",
+            "megarl.rollout.auth_proxy",
+            "--listen",
+            f"{host}:{port}",
+            "--upstream",
+            self.loopback_url,
+        ]
+        self.proxy_proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.proxy_proc.stdout], [], [], 1.0)
@@ -228,13 +267,17 @@ class VLLMServer(_ServerProcess):
                     return
                 if not line and self.proxy_proc.poll() is not None:
                     break
-        raise ServerLaunchError(f"auth forwarder on {host}:{port} did not start (exit {self.proxy_proc.poll()})")
+        raise ServerLaunchError(
+            f"auth forwarder on {host}:{port} did not start (exit {self.proxy_proc.poll()})"
+        )
 
     def client(self, **kw):
         """A ``VLLMEngine`` for this server with the job's keys and the model's limits."""
         from megarl.rollout.vllm_client import VLLMEngine
 
-        return VLLMEngine(self.url, self.cfg.served_model_name, **self._client_defaults(kw, self.cfg.max_model_len))
+        return VLLMEngine(
+            self.url, self.cfg.served_model_name, **self._client_defaults(kw, self.cfg.max_model_len)
+        )
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate forwarder and server (SIGTERM to the process group, SIGKILL after ``timeout_s``)."""
@@ -244,7 +287,7 @@ class VLLMServer(_ServerProcess):
             self.proxy_proc.stdout.close()
 
 
-def launch_vllm(cfg: VLLMServerConfig, keys: Optional[RolloutKeys] = None) -> VLLMServer:
+def launch_vllm(cfg: VLLMServerConfig, keys: RolloutKeys | None = None) -> VLLMServer:
     """Start a vLLM server with fresh per-job keys (unless given) and wait until it is healthy."""
     return VLLMServer(cfg, keys or RolloutKeys.generate()).start()
 
@@ -270,7 +313,7 @@ class SGLangServerConfig:
     context_length: int = 1024
     mem_fraction_static: float = 0.3
     startup_timeout_s: float = 600.0
-    work_dir: Optional[str] = None
+    work_dir: str | None = None
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     command_prefix: list[str] = field(default_factory=list)
@@ -292,30 +335,59 @@ class SGLangServer(_ServerProcess):
         path = self.work_dir / "sglang-keys.yaml"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(f"api-key: {json.dumps(self.keys.api_key)}\nadmin-api-key: {json.dumps(self.keys.admin_key)}\n")
+            f.write(
+                f"api-key: {json.dumps(self.keys.api_key)}\n"
+                f"admin-api-key: {json.dumps(self.keys.admin_key)}\n"
+            )
         os.chmod(path, 0o600)
         return path
 
     def command(self, key_config: Path) -> list[str]:
         c = self.cfg
-        return c.command_prefix + [
-            c.python, "-m", "sglang.launch_server", "--config", str(key_config), "--model-path", str(c.model_dir),
-            "--host", c.host, "--port", str(self.port), "--dtype", c.dtype,
-            "--context-length", str(c.context_length), "--mem-fraction-static", str(c.mem_fraction_static),
-        ] + list(c.extra_args)
+        return (
+            c.command_prefix
+            + [
+                c.python,
+                "-m",
+                "sglang.launch_server",
+                "--config",
+                str(key_config),
+                "--model-path",
+                str(c.model_dir),
+                "--host",
+                c.host,
+                "--port",
+                str(self.port),
+                "--dtype",
+                c.dtype,
+                "--context-length",
+                str(c.context_length),
+                "--mem-fraction-static",
+                str(c.mem_fraction_static),
+            ]
+            + list(c.extra_args)
+        )
 
-    def start(self) -> "SGLangServer":
+    def start(self) -> SGLangServer:
         """Start the server and block until /health answers or raise ServerLaunchError."""
         if not Path(self.cfg.python).exists() and not self.cfg.command_prefix:
-            raise ServerLaunchError(f"SGLang python {self.cfg.python} does not exist: set MEGARL_SGLANG_PYTHON")
+            raise ServerLaunchError(
+                f"SGLang python {self.cfg.python} does not exist: set MEGARL_SGLANG_PYTHON"
+            )
         cmd = self.command(self._write_key_config())
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
         env.update(self.cfg.extra_env)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {shlex.join(cmd)}\n".encode())
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         atexit.register(self.stop)
         try:
             _wait_healthy(self.proc, self.url, self.log_path, self.cfg.startup_timeout_s, "SGLang")
@@ -340,19 +412,23 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: f
     while True:
         code = proc.poll()
         if code is not None:
-            raise ServerLaunchError(f"{what} server exited with code {code} before becoming healthy; "
-                                    f"log {log_path}, last lines:\n{log_tail(log_path)}")
+            raise ServerLaunchError(
+                f"{what} server exited with code {code} before becoming healthy; "
+                f"log {log_path}, last lines:\n{log_tail(log_path)}"
+            )
         try:
             if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise ServerLaunchError(f"{what} server not healthy after {timeout_s:.0f} s; log {log_path}, "
-                                    f"last lines:\n{log_tail(log_path)}")
+            raise ServerLaunchError(
+                f"{what} server not healthy after {timeout_s:.0f} s; log {log_path}, "
+                f"last lines:\n{log_tail(log_path)}"
+            )
         time.sleep(0.5)
 
 
-def launch_sglang(cfg: SGLangServerConfig, keys: Optional[RolloutKeys] = None) -> SGLangServer:
+def launch_sglang(cfg: SGLangServerConfig, keys: RolloutKeys | None = None) -> SGLangServer:
     """Start an SGLang server with fresh per-job keys (unless given) and wait until it is healthy."""
     return SGLangServer(cfg, keys or RolloutKeys.generate()).start()

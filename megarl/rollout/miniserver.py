@@ -4,12 +4,22 @@ forwarder and the SGLang replay stand-in; no web framework needed in the project
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional
 
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-           411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error",
-           502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    411: "Length Required",
+    413: "Payload Too Large",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 MAX_BODY = 64 * 1024 * 1024
 
 
@@ -19,7 +29,7 @@ class Request:
     target: str  # path with query string
     headers: dict[str, str]  # lower-case names
     body: bytes
-    peer: Optional[tuple] = None
+    peer: tuple | None = None
 
     @property
     def path(self) -> str:
@@ -46,10 +56,10 @@ class MiniServer:
 
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0):
         self.handler, self.host, self.port = handler, host, port
-        self._server: Optional[asyncio.AbstractServer] = None
+        self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
-    async def start(self) -> "MiniServer":
+    async def start(self) -> MiniServer:
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -116,7 +126,10 @@ class MiniServer:
         hdrs.pop("transfer-encoding", None)
         hdrs["content-length"] = str(len(resp.body))
         hdrs["connection"] = "close" if close else "keep-alive"
-        head = f"HTTP/1.1 {resp.status} {REASONS.get(resp.status, 'Status')}\r\n" + "".join(
-            f"{k}: {v}\r\n" for k, v in hdrs.items()) + "\r\n"
+        head = (
+            f"HTTP/1.1 {resp.status} {REASONS.get(resp.status, 'Status')}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
+            + "\r\n"
+        )
         writer.write(head.encode("latin-1") + resp.body)
         await writer.drain()

@@ -6,12 +6,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.types import (EngineDeadError, EngineUnavailableError, GenerateRequest, GenerateResult,
-                                  NoHealthyEngineError, RolloutError, SamplingParams)
+from megarl.rollout.types import (
+    EngineDeadError,
+    EngineUnavailableError,
+    GenerateRequest,
+    GenerateResult,
+    NoHealthyEngineError,
+    RolloutError,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +27,7 @@ class PartialRolloutError(RolloutError):
     """Some requests of a batch could not be served. ``results[i]`` is the finished result of
     request i (``None`` for the failed ones), so nothing already generated is lost."""
 
-    def __init__(self, message: str, results: list[Optional[GenerateResult]], errors: dict[int, BaseException]):
+    def __init__(self, message: str, results: list[GenerateResult | None], errors: dict[int, BaseException]):
         super().__init__(message)
         self.results, self.errors = results, errors
 
@@ -31,14 +38,14 @@ class BatchItem:
 
     prompt_ids: Sequence[int]
     n: int = 1
-    sampling: Optional[SamplingParams] = None
-    request_id: Optional[str] = None
+    sampling: SamplingParams | None = None
+    request_id: str | None = None
 
 
 @dataclass
 class _Member:
     engine: RolloutEngine
-    down_reason: Optional[str] = None
+    down_reason: str | None = None
     served: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -57,9 +64,13 @@ class EnginePool(RolloutEngine):
             raise ValueError("EnginePool needs at least one engine")
         vocab = [e.vocab_size for e in engines if e.vocab_size is not None]
         lens = [e.max_model_len for e in engines if e.max_model_len is not None]
-        super().__init__(name, max_concurrency=sum(e.max_concurrency for e in engines),
-                         vocab_size=min(vocab) if vocab else None, max_model_len=min(lens) if lens else None,
-                         weight_version=engines[0].weight_version)
+        super().__init__(
+            name,
+            max_concurrency=sum(e.max_concurrency for e in engines),
+            vocab_size=min(vocab) if vocab else None,
+            max_model_len=min(lens) if lens else None,
+            weight_version=engines[0].weight_version,
+        )
         self.members = [_Member(e) for e in engines]
         self.max_attempts = max_attempts
 
@@ -74,7 +85,7 @@ class EnginePool(RolloutEngine):
                 m.down_reason = reason
                 log.warning("rollout pool: %s marked down: %s", engine.name, reason)
 
-    def _pick(self, exclude: set[int]) -> Optional[_Member]:
+    def _pick(self, exclude: set[int]) -> _Member | None:
         cands = [m for m in self.members if m.down_reason is None and id(m.engine) not in exclude]
         if not cands:
             cands = [m for m in self.members if m.down_reason is None]
@@ -86,7 +97,7 @@ class EnginePool(RolloutEngine):
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
         tried: set[int] = set()
-        last: Optional[BaseException] = None
+        last: BaseException | None = None
         for attempt in range(self.max_attempts):
             m = self._pick(tried)
             if m is None:
@@ -94,8 +105,13 @@ class EnginePool(RolloutEngine):
             tried.add(id(m.engine))
             rid = req.request_id if attempt == 0 else f"{req.request_id}-retry{attempt}"
             try:
-                res = await m.engine.generate(req.prompt_ids, req.n, req.sampling, request_id=rid,
-                                              return_routed_experts=req.return_routed_experts)
+                res = await m.engine.generate(
+                    req.prompt_ids,
+                    req.n,
+                    req.sampling,
+                    request_id=rid,
+                    return_routed_experts=req.return_routed_experts,
+                )
             except EngineDeadError as e:
                 self.mark_down(m.engine, str(e))
                 m.failures.append(str(e))
@@ -109,29 +125,37 @@ class EnginePool(RolloutEngine):
             return res
         if not self.up:
             raise self._none_left() from last
-        raise RolloutError(f"{self.name}: request {req.request_id} failed on {len(tried)} engine(s) after "
-                           f"{self.max_attempts} attempts; last error: {last}") from last
+        raise RolloutError(
+            f"{self.name}: request {req.request_id} failed on {len(tried)} engine(s) after "
+            f"{self.max_attempts} attempts; last error: {last}"
+        ) from last
 
     async def generate_batch(self, items: Sequence[BatchItem]) -> list[GenerateResult]:
         """Generate every item concurrently; raise ``PartialRolloutError`` (keeping the finished
         results) if any item failed everywhere."""
-        outs = await asyncio.gather(*(self.generate(it.prompt_ids, it.n, it.sampling, request_id=it.request_id)
-                                      for it in items), return_exceptions=True)
+        outs = await asyncio.gather(
+            *(self.generate(it.prompt_ids, it.n, it.sampling, request_id=it.request_id) for it in items),
+            return_exceptions=True,
+        )
         errors = {i: o for i, o in enumerate(outs) if isinstance(o, BaseException)}
         results = [None if isinstance(o, BaseException) else o for o in outs]
         if errors:
             first = next(iter(errors.values()))
-            raise PartialRolloutError(f"{self.name}: {len(errors)} of {len(items)} requests failed "
-                                      f"({len(items) - len(errors)} finished results kept); first error: {first}",
-                                      results, errors)
+            raise PartialRolloutError(
+                f"{self.name}: {len(errors)} of {len(items)} requests failed "
+                f"({len(items) - len(errors)} finished results kept); first error: {first}",
+                results,
+                errors,
+            )
         return results  # type: ignore[return-value]
 
     # ----------------------------------------------------------------------------- control
-    async def update_weights(self, weights_dir: str | os.PathLike, version: Optional[str] = None) -> None:
+    async def update_weights(self, weights_dir: str | os.PathLike, version: str | None = None) -> None:
         """Reload every up engine concurrently; an engine that fails the reload is marked down."""
         ups = [m for m in self.members if m.down_reason is None]
-        outs = await asyncio.gather(*(m.engine.update_weights(weights_dir, version) for m in ups),
-                                    return_exceptions=True)
+        outs = await asyncio.gather(
+            *(m.engine.update_weights(weights_dir, version) for m in ups), return_exceptions=True
+        )
         first_err = None
         for m, o in zip(ups, outs):
             if isinstance(o, EngineDeadError):
@@ -153,7 +177,7 @@ class EnginePool(RolloutEngine):
         await asyncio.gather(*(e.resume() for e in self.up), return_exceptions=True)
         await super().resume()
 
-    async def abort(self, request_id: Optional[str] = None) -> int:
+    async def abort(self, request_id: str | None = None) -> int:
         counts = await asyncio.gather(*(e.abort(request_id) for e in self.up), return_exceptions=True)
         return sum(c for c in counts if isinstance(c, int))
 

@@ -17,13 +17,12 @@ import argparse
 import signal
 import sys
 import time
-from typing import Optional
 
 from megarl.rollout.keys import RolloutKeys
 from megarl.rollout.launcher import ServerLaunchError, VLLMServerConfig, default_vllm_python, launch_vllm
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Start vLLM + forwarder, print ``READY <url>``, wait until the server exits or a signal arrives."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="HF checkpoint directory to serve")
@@ -43,11 +42,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (KeyError, PermissionError, ValueError) as e:
         print(f"megarl.rollout.serve: {e}", file=sys.stderr)
         return 2
-    cfg = VLLMServerConfig(model_dir=args.model, python=args.python, served_model_name=args.served_model_name,
-                           expose_host=args.host, expose_port=args.port, dtype=args.dtype,
-                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                           startup_timeout_s=args.startup_timeout, work_dir=args.work_dir,
-                           extra_args=list(args.vllm_args))
+    cfg = VLLMServerConfig(
+        model_dir=args.model,
+        python=args.python,
+        served_model_name=args.served_model_name,
+        expose_host=args.host,
+        expose_port=args.port,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        startup_timeout_s=args.startup_timeout,
+        work_dir=args.work_dir,
+        extra_args=list(args.vllm_args),
+    )
     try:
         server = launch_vllm(cfg, keys)
     except ServerLaunchError as e:
@@ -57,6 +64,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def on_signal(sig, _frame):
         stop["sig"] = sig
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"READY {server.url} (vLLM log: {server.log_path})", flush=True)
@@ -66,8 +74,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     server.stop()
     if stop["sig"] is not None:
         return 0
-    print(f"megarl.rollout.serve: server exited (vLLM code {code}, forwarder code {server.proxy_proc.poll()}); "
-          f"log {server.log_path}", file=sys.stderr)
+    print(
+        f"megarl.rollout.serve: server exited (vLLM code {code}, forwarder code {server.proxy_proc.poll()}); "
+        f"log {server.log_path}",
+        file=sys.stderr,
+    )
     return 1 if not code else (code if code > 0 else 128 - code)
 
 

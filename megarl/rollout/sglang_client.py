@@ -15,11 +15,17 @@ Behaviour measured on SGLang 0.5.23 that shapes this client (see shared/fixtures
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from megarl.rollout.http_base import HttpEngine
-from megarl.rollout.types import (BadRequestError, GenerateRequest, GenerateResult, RolloutError, Sample,
-                                  WeightsDirError)
+from megarl.rollout.types import (
+    BadRequestError,
+    GenerateRequest,
+    GenerateResult,
+    RolloutError,
+    Sample,
+    WeightsDirError,
+)
 from megarl.rollout.weights import check_weights_dir
 
 
@@ -33,23 +39,36 @@ class SGLangEngine(HttpEngine):
         top-k alternatives (kept in ``Sample.meta``).
     """
 
-    def __init__(self, base_url: str, *, return_logprob: bool = True, logprob_start_len: Optional[int] = None,
-                 top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 reference_weights_dir: Optional[str | os.PathLike] = None, **kw: Any):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        return_logprob: bool = True,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
+        reference_weights_dir: str | os.PathLike | None = None,
+        **kw: Any,
+    ):
         kw.setdefault("name", f"sglang@{base_url.split('://')[-1].rstrip('/')}")
         super().__init__(base_url, **kw)
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
         self.return_text_in_logprobs = return_text_in_logprobs
-        self._reference_names = (check_weights_dir(reference_weights_dir)
-                                 if reference_weights_dir is not None else None)
+        self._reference_names = (
+            check_weights_dir(reference_weights_dir) if reference_weights_dir is not None else None
+        )
 
     def generate_body(self, req: GenerateRequest) -> dict:
         """The JSON body of ``/generate`` for one request."""
         sp = req.sampling
-        params: dict[str, Any] = {"n": req.n, "temperature": sp.temperature, "top_p": sp.top_p,
-                                  "max_new_tokens": sp.max_new_tokens}
+        params: dict[str, Any] = {
+            "n": req.n,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "max_new_tokens": sp.max_new_tokens,
+        }
         if sp.top_k != -1:
             params["top_k"] = sp.top_k
         if sp.stop_token_ids:
@@ -60,7 +79,11 @@ class SGLangEngine(HttpEngine):
             params["ignore_eos"] = True
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed
-        body: dict[str, Any] = {"input_ids": list(req.prompt_ids), "sampling_params": params, "rid": req.request_id}
+        body: dict[str, Any] = {
+            "input_ids": list(req.prompt_ids),
+            "sampling_params": params,
+            "rid": req.request_id,
+        }
         if self.return_logprob:
             body["return_logprob"] = True
             if self.logprob_start_len is not None:
@@ -80,18 +103,35 @@ class SGLangEngine(HttpEngine):
         if self.return_logprob:
             triples = meta.get("output_token_logprobs")
             if triples is None:
-                raise RolloutError(f"{self.name}: asked for logprobs but the response has no output_token_logprobs")
+                raise RolloutError(
+                    f"{self.name}: asked for logprobs but the response has no output_token_logprobs"
+                )
             if [int(t[1]) for t in triples] != ids:
                 raise RolloutError(f"{self.name}: output_token_logprobs token ids differ from output_ids")
             logprobs = [float(t[0]) for t in triples]
         fr = meta.get("finish_reason") or {}
         kind = fr.get("type") if isinstance(fr, dict) else str(fr)
         stop_reason = fr.get("matched") if isinstance(fr, dict) else None
-        extras = {k: meta[k] for k in ("input_token_logprobs", "output_top_logprobs", "input_top_logprobs",
-                                       "id", "cached_tokens") if k in meta}
-        return Sample(token_ids=ids, logprobs=logprobs, finish_reason=str(kind),
-                      weight_version=meta.get("weight_version"), stop_reason=stop_reason,
-                      routed_experts=meta.get("routed_experts"), meta=extras)
+        extras = {
+            k: meta[k]
+            for k in (
+                "input_token_logprobs",
+                "output_top_logprobs",
+                "input_top_logprobs",
+                "id",
+                "cached_tokens",
+            )
+            if k in meta
+        }
+        return Sample(
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason=str(kind),
+            weight_version=meta.get("weight_version"),
+            stop_reason=stop_reason,
+            routed_experts=meta.get("routed_experts"),
+            meta=extras,
+        )
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
         body = await self.request("POST", "/generate", json_body=self.generate_body(req))
@@ -99,16 +139,24 @@ class SGLangEngine(HttpEngine):
         try:
             samples = [self._parse_one(o) for o in outs]
         except (KeyError, TypeError, IndexError) as e:
-            raise RolloutError(f"{self.name}: unexpected /generate response ({type(e).__name__}: {e}): "
-                               f"{str(body)[:300]}") from e
+            raise RolloutError(
+                f"{self.name}: unexpected /generate response ({type(e).__name__}: {e}): {str(body)[:300]}"
+            ) from e
         if len(samples) != req.n:
             raise RolloutError(f"{self.name}: asked for n={req.n} samples, got {len(samples)}")
-        return GenerateResult(prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name,
-                              request_id=req.request_id)
+        return GenerateResult(
+            prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name, request_id=req.request_id
+        )
 
     # ----------------------------------------------------------------------------- control
-    async def update_weights(self, weights_dir: str | os.PathLike, version: Optional[str] = None, *,
-                             flush_cache: bool = True, check_dir: bool = True) -> None:
+    async def update_weights(
+        self,
+        weights_dir: str | os.PathLike,
+        version: str | None = None,
+        *,
+        flush_cache: bool = True,
+        check_dir: bool = True,
+    ) -> None:
         """Reload weights from a directory on the server's disk. SGLang keeps serving the old
         weights when the reload fails, so a failure raises ``WeightsDirError`` and the engine stays up.
         ``check_dir=False`` skips the local check (the directory is on another node)."""
@@ -124,8 +172,9 @@ class SGLangEngine(HttpEngine):
         try:
             out = await self.request("POST", "/update_weights_from_disk", json_body=body, admin=True)
         except BadRequestError as e:
-            raise WeightsDirError(f"{self.name}: server refused the weights at {path}; it keeps the old "
-                                  f"weights ({e})") from e
+            raise WeightsDirError(
+                f"{self.name}: server refused the weights at {path}; it keeps the old weights ({e})"
+            ) from e
         if not (isinstance(out, dict) and out.get("success")):
             raise WeightsDirError(f"{self.name}: weight update from {path} failed: {out}")
         if version is not None:
@@ -142,7 +191,7 @@ class SGLangEngine(HttpEngine):
         await self.request("POST", "/continue_generation", json_body={}, admin=True)
         await super().resume()
 
-    async def abort(self, request_id: Optional[str] = None) -> int:
+    async def abort(self, request_id: str | None = None) -> int:
         """``/abort_request`` for one rid (or every in-flight one); the callers get their partial
         output with finish_reason "abort" from the server."""
         ids = [request_id] if request_id is not None else list(self._inflight)
@@ -163,8 +212,13 @@ class SGLangEngine(HttpEngine):
         if self.dead_reason is not None:
             return False
         try:
-            await self.request("GET", "/health_generate" if generate else "/health", expect_json=False,
-                               admin=False, timeout_s=30.0)
+            await self.request(
+                "GET",
+                "/health_generate" if generate else "/health",
+                expect_json=False,
+                admin=False,
+                timeout_s=30.0,
+            )
             return True
         except RolloutError:
             return False

@@ -13,8 +13,13 @@ import os
 import shutil
 from pathlib import Path
 
-FIXTURE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja")
+FIXTURE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
 
 
 def find_tiny_qwen3_fixture() -> Path:
@@ -32,12 +37,19 @@ def find_tiny_qwen3_fixture() -> Path:
         if cand.is_dir():
             return cand
     raise FileNotFoundError(
-        "tiny-qwen3 fixture not found: set MEGARL_TINY_QWEN3 or put shared/fixtures/tiny-qwen3 beside the repo")
+        "tiny-qwen3 fixture not found: set MEGARL_TINY_QWEN3 "
+        "or put shared/fixtures/tiny-qwen3 beside the repo"
+    )
 
 
-def build_tiny_qwen3(out_dir: str | os.PathLike, seed: int = 0, lm_head_std: float = 0.2,
-                     dtype: str = "bfloat16", fixture_dir: str | os.PathLike | None = None,
-                     config_overrides: dict | None = None) -> Path:
+def build_tiny_qwen3(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    lm_head_std: float = 0.2,
+    dtype: str = "bfloat16",
+    fixture_dir: str | os.PathLike | None = None,
+    config_overrides: dict | None = None,
+) -> Path:
     """Write a complete HF checkpoint (config, tokenizer, ``model.safetensors``) to ``out_dir``.
 
     Weights are random (``torch.manual_seed(seed)``) and saved in ``dtype``. ``config_overrides``

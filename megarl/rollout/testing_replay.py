@@ -25,22 +25,48 @@ import asyncio
 import copy
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from megarl.rollout.keys import RolloutKeys
 from megarl.rollout.miniserver import MiniServer, Request, Response
 
-SGLANG_SAMPLING_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 128,
-                            "stop_token_ids": [], "stop": [], "ignore_eos": False, "sampling_seed": None}
-SGLANG_GENERATE_DEFAULTS = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
-                            "return_text_in_logprobs": False, "stream": False}
+SGLANG_SAMPLING_DEFAULTS = {
+    "n": 1,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "max_new_tokens": 128,
+    "stop_token_ids": [],
+    "stop": [],
+    "ignore_eos": False,
+    "sampling_seed": None,
+}
+SGLANG_GENERATE_DEFAULTS = {
+    "return_logprob": False,
+    "logprob_start_len": -1,
+    "top_logprobs_num": 0,
+    "return_text_in_logprobs": False,
+    "stream": False,
+}
 SGLANG_OPEN_ROUTES = {"/health"}
-SGLANG_ADMIN_ROUTES = {"/update_weights_from_disk", "/flush_cache", "/pause_generation",
-                       "/continue_generation", "/abort_request"}
+SGLANG_ADMIN_ROUTES = {
+    "/update_weights_from_disk",
+    "/flush_cache",
+    "/pause_generation",
+    "/continue_generation",
+    "/abort_request",
+}
 
 
-VLLM_COMPLETION_DEFAULTS = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False,
-                            "stop_token_ids": [], "seed": None}
+VLLM_COMPLETION_DEFAULTS = {
+    "n": 1,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "ignore_eos": False,
+    "stop_token_ids": [],
+    "seed": None,
+}
 
 
 def normalise_vllm(path: str, body: Any, recorded: Any) -> Any:
@@ -81,10 +107,18 @@ def normalise_sglang(path: str, body: Any, recorded: Any) -> Any:
 class ReplayServer:
     """Serve the records of one transcript file (see the module docstring)."""
 
-    def __init__(self, transcript: str | Path, placeholders: Optional[dict[str, str]] = None,
-                 keys: Optional[RolloutKeys] = None, hold_timeout_s: float = 30.0,
-                 only: Optional[list[str]] = None, normalise=normalise_sglang):
-        self.records = [json.loads(line) for line in Path(transcript).read_text().splitlines() if line.strip()]
+    def __init__(
+        self,
+        transcript: str | Path,
+        placeholders: dict[str, str] | None = None,
+        keys: RolloutKeys | None = None,
+        hold_timeout_s: float = 30.0,
+        only: list[str] | None = None,
+        normalise=normalise_sglang,
+    ):
+        self.records = [
+            json.loads(line) for line in Path(transcript).read_text().splitlines() if line.strip()
+        ]
         if only is not None:  # replay a contiguous story out of a longer recording
             missing = set(only) - {r["name"] for r in self.records}
             if missing:
@@ -99,10 +133,10 @@ class ReplayServer:
         self.answered = [False] * len(self.records)
         self.unmatched: list[str] = []
         self.keys_seen: list[tuple[str, str]] = []  # (path, "api" | "admin" | "none" | "wrong")
-        self._changed: Optional[asyncio.Condition] = None
+        self._changed: asyncio.Condition | None = None
         self.server = MiniServer(self.handle)
 
-    async def start(self) -> "ReplayServer":
+    async def start(self) -> ReplayServer:
         self._changed = asyncio.Condition()
         await self.server.start()
         return self
@@ -142,7 +176,7 @@ class ReplayServer:
             return "admin"
         return "wrong"
 
-    def _match(self, req: Request) -> Optional[int]:
+    def _match(self, req: Request) -> int | None:
         raw_text = req.body.decode("utf-8", errors="replace")
         try:
             body = json.loads(raw_text) if req.body else None
@@ -168,30 +202,48 @@ class ReplayServer:
             self.keys_seen.append((req.path, cls))
             need = "admin" if req.path in SGLANG_ADMIN_ROUTES else "api"
             if cls != need:
-                return Response(401, json.dumps({"error": f"stand-in: {req.path} needs the {need} key"}).encode(),
-                                {"content-type": "application/json"})
+                return Response(
+                    401,
+                    json.dumps({"error": f"stand-in: {req.path} needs the {need} key"}).encode(),
+                    {"content-type": "application/json"},
+                )
         i = self._match(req)
         if i is None:
             self.unmatched.append(f"{req.method} {req.target} {req.body[:300]!r}")
-            return Response(599, json.dumps({"error": f"replay stand-in: no recorded exchange matches "
-                                             f"{req.method} {req.target}"}).encode(),
-                            {"content-type": "application/json"})
+            return Response(
+                599,
+                json.dumps(
+                    {"error": f"replay stand-in: no recorded exchange matches {req.method} {req.target}"}
+                ).encode(),
+                {"content-type": "application/json"},
+            )
         self.used[i] = True
         rec = self.records[i]
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: all(self.answered[:i])), self.hold_timeout_s)
-            except asyncio.TimeoutError:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: all(self.answered[:i])), self.hold_timeout_s
+                )
+            except TimeoutError:
                 late = [r["name"] for r, a in zip(self.records[:i], self.answered[:i]) if not a]
-                return Response(599, json.dumps({"error": f"replay stand-in: {rec['name']} waits for earlier "
-                                                 f"records never requested: {late[:5]}"}).encode())
+                return Response(
+                    599,
+                    json.dumps(
+                        {
+                            "error": f"replay stand-in: {rec['name']} waits for earlier "
+                            f"records never requested: {late[:5]}"
+                        }
+                    ).encode(),
+                )
             self.answered[i] = True
             self._changed.notify_all()
         if rec["status"] is None:
             # The recorded server died here: drop this connection, stop listening, and count the
             # later "connection refused" records as answered by that.
             for j in range(i + 1, len(self.records)):
-                if self.records[j]["status"] is None and "Refused" in self.records[j].get("response_text", ""):
+                if self.records[j]["status"] is None and "Refused" in self.records[j].get(
+                    "response_text", ""
+                ):
                     self.answered[j] = self.used[j] = True
                 else:
                     break

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 
 class RolloutError(RuntimeError):
@@ -47,9 +47,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
-    seed: Optional[int] = None
+    seed: int | None = None
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raise ``BadRequestError`` naming the bad field."""
         if self.temperature < 0:
             raise BadRequestError(f"sampling param 'temperature' must be >= 0, got {self.temperature}")
@@ -69,7 +69,7 @@ class GenerateRequest:
     prompt_ids: Sequence[int]
     n: int = 1
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    request_id: Optional[str] = None
+    request_id: str | None = None
     return_routed_experts: bool = False
 
 
@@ -87,9 +87,9 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    weight_version: Optional[str] = None
-    stop_reason: Optional[object] = None
-    routed_experts: Optional[list] = None
+    weight_version: str | None = None
+    stop_reason: object | None = None
+    routed_experts: list | None = None
     meta: dict = field(default_factory=dict)  # engine-specific extras (e.g. SGLang input logprobs)
 
 
@@ -100,11 +100,16 @@ class GenerateResult:
     prompt_ids: list[int]
     samples: list[Sample]
     engine: str = ""
-    request_id: Optional[str] = None
+    request_id: str | None = None
 
 
-def validate_prompt_ids(prompt_ids: Sequence[int], vocab_size: Optional[int], engine: str = "engine",
-                        max_model_len: Optional[int] = None, max_new_tokens: Optional[int] = None) -> list[int]:
+def validate_prompt_ids(
+    prompt_ids: Sequence[int],
+    vocab_size: int | None,
+    engine: str = "engine",
+    max_model_len: int | None = None,
+    max_new_tokens: int | None = None,
+) -> list[int]:
     """Check prompt ids client-side before sending (SGLang crashes on an out-of-vocab id).
 
     Returns the ids as a plain list; raises ``BadRequestError`` naming the first bad position.
@@ -115,13 +120,16 @@ def validate_prompt_ids(prompt_ids: Sequence[int], vocab_size: Optional[int], en
     for i, t in enumerate(ids):
         if t < 0 or (vocab_size is not None and t >= vocab_size):
             raise BadRequestError(
-                f"{engine}: prompt token {i} has id {t}, outside the vocabulary [0, {vocab_size})")
+                f"{engine}: prompt token {i} has id {t}, outside the vocabulary [0, {vocab_size})"
+            )
     if max_model_len is not None:
         if len(ids) >= max_model_len:
             raise BadRequestError(
-                f"{engine}: prompt of {len(ids)} tokens leaves no room in max_model_len={max_model_len}")
+                f"{engine}: prompt of {len(ids)} tokens leaves no room in max_model_len={max_model_len}"
+            )
         if max_new_tokens is not None and len(ids) + max_new_tokens > max_model_len:
             raise BadRequestError(
                 f"{engine}: prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"max_model_len={max_model_len}")
+                f"max_model_len={max_model_len}"
+            )
     return ids

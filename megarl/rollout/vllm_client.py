@@ -12,15 +12,21 @@ therefore marks this server dead.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megarl.rollout.http_base import HttpEngine
-from megarl.rollout.types import (EngineDeadError, GenerateRequest, GenerateResult, RolloutError, Sample,
-                                  WeightsDirError)
+from megarl.rollout.types import (
+    EngineDeadError,
+    GenerateRequest,
+    GenerateResult,
+    RolloutError,
+    Sample,
+)
 from megarl.rollout.weights import check_weights_dir
 
 
-def decode_routed_experts(payload: Optional[str]):
+def decode_routed_experts(payload: str | None):
     """vLLM's ``routed_experts`` (base64 of a ``.npy``; servers started with
     ``--enable-return-routed-experts``) -> int64 tensor [P+R-1, moe_layers, topk], or None.
     The last sampled token was never forwarded, so it has no routing row."""
@@ -49,20 +55,28 @@ class VLLMEngine(HttpEngine):
     with ``--enable-return-routed-experts`` (a server-wide switch in vLLM 0.32, not per request).
     """
 
-    def __init__(self, base_url: str, model: str, *, reference_weights_dir: Optional[str | os.PathLike] = None,
-                 **kw: Any):
+    def __init__(
+        self, base_url: str, model: str, *, reference_weights_dir: str | os.PathLike | None = None, **kw: Any
+    ):
         kw.setdefault("name", f"vllm@{base_url.split('://')[-1].rstrip('/')}")
         super().__init__(base_url, **kw)
         self.model = model
-        self._reference_names = (check_weights_dir(reference_weights_dir)
-                                 if reference_weights_dir is not None else None)
+        self._reference_names = (
+            check_weights_dir(reference_weights_dir) if reference_weights_dir is not None else None
+        )
 
     def _completion_body(self, req: GenerateRequest) -> dict:
         sp = req.sampling
         body: dict[str, Any] = {
-            "model": self.model, "prompt": list(req.prompt_ids), "n": req.n,
-            "max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-            "logprobs": 0, "return_token_ids": True, "ignore_eos": sp.ignore_eos,
+            "model": self.model,
+            "prompt": list(req.prompt_ids),
+            "n": req.n,
+            "max_tokens": sp.max_new_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": sp.ignore_eos,
         }
         if sp.top_k != -1:
             body["top_k"] = sp.top_k
@@ -76,8 +90,12 @@ class VLLMEngine(HttpEngine):
         return body
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
-        body = await self.request("POST", "/v1/completions", json_body=self._completion_body(req),
-                                  headers={"X-Request-Id": req.request_id})
+        body = await self.request(
+            "POST",
+            "/v1/completions",
+            json_body=self._completion_body(req),
+            headers={"X-Request-Id": req.request_id},
+        )
         try:
             choices = sorted(body["choices"], key=lambda c: c["index"])
             samples = []
@@ -86,20 +104,30 @@ class VLLMEngine(HttpEngine):
                 lp = c.get("logprobs") or {}
                 logprobs = [float(x) for x in (lp.get("token_logprobs") or [])]
                 if len(logprobs) != len(ids):
-                    raise RolloutError(f"{self.name}: choice {c['index']} has {len(ids)} token ids but "
-                                       f"{len(logprobs)} logprobs")
-                samples.append(Sample(token_ids=ids, logprobs=logprobs, finish_reason=str(c["finish_reason"]),
-                                      stop_reason=c.get("stop_reason"),
-                                      routed_experts=decode_routed_experts(c.get("routed_experts"))))
+                    raise RolloutError(
+                        f"{self.name}: choice {c['index']} has {len(ids)} token ids but "
+                        f"{len(logprobs)} logprobs"
+                    )
+                samples.append(
+                    Sample(
+                        token_ids=ids,
+                        logprobs=logprobs,
+                        finish_reason=str(c["finish_reason"]),
+                        stop_reason=c.get("stop_reason"),
+                        routed_experts=decode_routed_experts(c.get("routed_experts")),
+                    )
+                )
         except (KeyError, TypeError) as e:
-            raise RolloutError(f"{self.name}: unexpected /v1/completions response (missing {e}): "
-                               f"{str(body)[:300]}") from e
+            raise RolloutError(
+                f"{self.name}: unexpected /v1/completions response (missing {e}): {str(body)[:300]}"
+            ) from e
         if len(samples) != req.n:
             raise RolloutError(f"{self.name}: asked for n={req.n} samples, got {len(samples)}")
-        return GenerateResult(prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name,
-                              request_id=req.request_id)
+        return GenerateResult(
+            prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name, request_id=req.request_id
+        )
 
-    async def update_weights(self, weights_dir: str | os.PathLike, version: Optional[str] = None) -> None:
+    async def update_weights(self, weights_dir: str | os.PathLike, version: str | None = None) -> None:
         """Reload all weights from ``weights_dir`` while serving; in-flight requests finish first.
 
         Raises ``WeightsDirError`` (nothing sent, server untouched) for a bad directory and
@@ -117,8 +145,9 @@ class VLLMEngine(HttpEngine):
         finally:
             await super().resume()
 
-    async def update_weights_keeping_requests(self, weights_dir: str | os.PathLike, version: Optional[str],
-                                              on_frozen: Callable[[list[str]], None]) -> None:
+    async def update_weights_keeping_requests(
+        self, weights_dir: str | os.PathLike, version: str | None, on_frozen: Callable[[list[str]], None]
+    ) -> None:
         """Reload all weights while the in-flight requests stay on the server, frozen, and then finish
         with the new weights (the async loop's ``partial_rollout: continue``). ``on_frozen`` gets the
         ids of those requests once no new request can start: their tokens come from both versions.
@@ -139,19 +168,26 @@ class VLLMEngine(HttpEngine):
     async def _reload(self, weights_dir: str) -> None:
         """The server reloads its weights from ``weights_dir``; a failure marks it dead."""
         try:
-            await self.request("POST", "/collective_rpc", admin=True,
-                               json_body={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+            await self.request(
+                "POST",
+                "/collective_rpc",
+                admin=True,
+                json_body={"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
+            )
         except RolloutError as e:
             self.mark_dead(f"weight reload from {weights_dir} failed: {e}")
-            raise EngineDeadError(f"{self.name}: weight reload from {weights_dir} failed; the server "
-                                  f"must be restarted ({e})") from e
+            raise EngineDeadError(
+                f"{self.name}: weight reload from {weights_dir} failed; the server must be restarted ({e})"
+            ) from e
 
-    async def _set_version(self, version: Optional[str]) -> None:
+    async def _set_version(self, version: str | None) -> None:
         if version is not None:
-            await self.request("POST", "/update_weight_version", admin=True, json_body={"new_version": version})
+            await self.request(
+                "POST", "/update_weight_version", admin=True, json_body={"new_version": version}
+            )
             self.weight_version = version
 
-    async def abort(self, request_id: Optional[str] = None) -> int:
+    async def abort(self, request_id: str | None = None) -> int:
         """Abort one request (or all with ``None``): the caller gets finish_reason "abort" at once and
         the server drops the request (``/abort_requests``; a client disconnect alone does not reach
         vLLM through the forwarder)."""
@@ -159,8 +195,12 @@ class VLLMEngine(HttpEngine):
         count = await super().abort(request_id)
         if ids:
             # vLLM names a completion's request "cmpl-<X-Request-Id>-<prompt index>".
-            await self.request("POST", "/abort_requests", admin=True,
-                               json_body={"request_ids": [f"cmpl-{rid}-0" for rid in ids]})
+            await self.request(
+                "POST",
+                "/abort_requests",
+                admin=True,
+                json_body={"request_ids": [f"cmpl-{rid}-0" for rid in ids]},
+            )
         return count
 
     async def pause(self, mode: str = "wait") -> None:
@@ -196,4 +236,6 @@ class VLLMEngine(HttpEngine):
         for m in body["data"]:
             if m["id"] == self.model:
                 return m
-        raise RolloutError(f"{self.name}: model {self.model!r} not served (served: {[m['id'] for m in body['data']]})")
+        raise RolloutError(
+            f"{self.name}: model {self.model!r} not served (served: {[m['id'] for m in body['data']]})"
+        )

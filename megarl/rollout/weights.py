@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 from megarl.rollout.types import WeightsDirError
 
@@ -44,7 +44,9 @@ def tensor_names(weights_dir: str | os.PathLike) -> set[str]:
     return names
 
 
-def check_weights_dir(weights_dir: str | os.PathLike, reference_names: Optional[Iterable[str]] = None) -> set[str]:
+def check_weights_dir(
+    weights_dir: str | os.PathLike, reference_names: Iterable[str] | None = None
+) -> set[str]:
     """Raise ``WeightsDirError`` naming the problem unless ``weights_dir`` is a complete checkpoint.
 
     With ``reference_names`` (the served model's tensor names), the names must match exactly.
@@ -69,5 +71,7 @@ def check_weights_dir(weights_dir: str | os.PathLike, reference_names: Optional[
         if missing or extra:
             raise WeightsDirError(
                 f"{d}: tensor names differ from the served model: missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+                f"{' ...' if len(missing) > 5 else ''}, "
+                f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+            )
     return names

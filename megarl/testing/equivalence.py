@@ -8,6 +8,7 @@ shipped to worker processes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,14 +48,31 @@ def reference_loss_and_grad(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         teacher[am] = case.teacher_logits
     tok = pad.per_token
     old = tok.get("old_logprobs", tok.get("rollout_logprobs"))
-    loss = rl_loss(full, pad.tokens, pad.loss_mask, tok["advantages"], old, policy_loss=cfg.policy_loss,
-                   clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                   aggregation_mode=cfg.aggregation, max_len=case.extra.get("max_len"),
-                   kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, ref_logp=tok.get("ref_logprobs"),
-                   entropy_coef=cfg.entropy_coef, correction=cfg.correction,
-                   rollout_logp=tok.get("rollout_logprobs"), corr_low=cfg.correction_low,
-                   corr_high=cfg.correction_high, distill=cfg.distill, distill_coef=cfg.distill_coef,
-                   teacher_logp=tok.get("teacher_logprobs"), teacher_logits=teacher)
+    loss = rl_loss(
+        full,
+        pad.tokens,
+        pad.loss_mask,
+        tok["advantages"],
+        old,
+        policy_loss=cfg.policy_loss,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        aggregation_mode=cfg.aggregation,
+        max_len=case.extra.get("max_len"),
+        kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator,
+        ref_logp=tok.get("ref_logprobs"),
+        entropy_coef=cfg.entropy_coef,
+        correction=cfg.correction,
+        rollout_logp=tok.get("rollout_logprobs"),
+        corr_low=cfg.correction_low,
+        corr_high=cfg.correction_high,
+        distill=cfg.distill,
+        distill_coef=cfg.distill_coef,
+        teacher_logp=tok.get("teacher_logprobs"),
+        teacher_logits=teacher,
+    )
     loss.backward()
     return loss.detach(), full.grad[am]
 
@@ -62,12 +80,19 @@ def reference_loss_and_grad(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 def split_sequences(num_seqs: int, parts: int) -> list[list[int]]:
     """Contiguous, near-equal runs of sequence ids (empty runs dropped)."""
     bounds = torch.linspace(0, num_seqs, parts + 1).round().long().tolist()
-    return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [list(range(a, b)) for a, b in itertools.pairwise(bounds) if b > a]
 
 
-def megarl_rank_loss_and_grad(case: Case, rank: int, group: Any, tp: int, dp: int = 1, micro_batches: int = 1,
-                              objective: Callable | None = None, chunk_tokens: int = 3
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def megarl_rank_loss_and_grad(
+    case: Case,
+    rank: int,
+    group: Any,
+    tp: int,
+    dp: int = 1,
+    micro_batches: int = 1,
+    objective: Callable | None = None,
+    chunk_tokens: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What TP rank ``rank`` computes: the summed loss contributions of every DP shard and
     micro-batch (DP ranks are played one after the other), and its gradient shard [T, V/tp].
 
@@ -90,10 +115,16 @@ def megarl_rank_loss_and_grad(case: Case, rank: int, group: Any, tp: int, dp: in
     for r, shard in enumerate(dp_shards):
         for mb_ids in split_sequences(len(shard), micro_batches):
             ids = [shard[i] for i in mb_ids]
-            tok_idx = torch.cat([torch.arange(int(starts[i]), int(starts[i]) + int(b.seq_lens[i])) for i in ids])
+            tok_idx = torch.cat(
+                [torch.arange(int(starts[i]), int(starts[i]) + int(b.seq_lens[i])) for i in ids]
+            )
             shard_logits = logits[tok_idx].clone().requires_grad_(True)
-            ctx = LossContext(normalisers=norms[r], tp_group=group, chunk_tokens=chunk_tokens,
-                              teacher_logits=None if teacher is None else teacher[tok_idx])
+            ctx = LossContext(
+                normalisers=norms[r],
+                tp_group=group,
+                chunk_tokens=chunk_tokens,
+                teacher_logits=None if teacher is None else teacher[tok_idx],
+            )
             out = objective(shard_logits, b.select(ids), ctx)
             out.loss.backward()
             total = total + out.loss.detach().double()
@@ -101,13 +132,21 @@ def megarl_rank_loss_and_grad(case: Case, rank: int, group: Any, tp: int, dp: in
     return total.to(logits.dtype), grad
 
 
-def megarl_loss_and_grad(case: Case, tp: int, dp: int = 1, micro_batches: int = 1,
-                         objective: Callable | None = None, chunk_tokens: int = 3
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def megarl_loss_and_grad(
+    case: Case,
+    tp: int,
+    dp: int = 1,
+    micro_batches: int = 1,
+    objective: Callable | None = None,
+    chunk_tokens: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss (checked identical on every TP rank) and the full packed gradient [T, V], with TP
     ranks simulated as threads."""
-    outs = SimulatedWorld(tp).run(lambda rank, group: megarl_rank_loss_and_grad(
-        case, rank, group, tp, dp, micro_batches, objective, chunk_tokens))
+    outs = SimulatedWorld(tp).run(
+        lambda rank, group: megarl_rank_loss_and_grad(
+            case, rank, group, tp, dp, micro_batches, objective, chunk_tokens
+        )
+    )
     return gather_rank_results(outs)
 
 

@@ -35,8 +35,13 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, conn) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
     group = dist.group.WORLD
     while True:
         msg = conn.recv_bytes()
@@ -46,7 +51,7 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, conn) -> None:
         try:
             out = _resolve(fn_path)(rank, group, payload)
             conn.send_bytes(pickle.dumps(("ok", out)))
-        except BaseException:  # noqa: BLE001 - shipped to the driver
+        except BaseException:
             conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
             conn.close()
             os._exit(1)
@@ -72,7 +77,9 @@ class GlooPool:
         port = _free_port()
         for r in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, self.world_size, port, self.timeout_s, child), daemon=True)
+            p = ctx.Process(
+                target=_worker, args=(r, self.world_size, port, self.timeout_s, child), daemon=True
+            )
             p.start()
             self._procs.append(p)
             self._conns.append(parent)

@@ -80,7 +80,7 @@ class SimulatedWorld:
             try:
                 results[r] = fn(r, g)
                 g.finish()
-            except BaseException as e:  # noqa: BLE001 - reported below, from one place
+            except BaseException as e:
                 errors[r] = e
                 self.barrier.abort()
 

@@ -88,7 +88,11 @@ def test_reinforce_pp_matches_reference(b, kl_coef):
     p = unpack(b)
     pk = torch.zeros_like(p.loss_mask)
     pk[p.attention_mask] = kl
-    _close(ma.reinforce_pp(b, kl, kl_coef)[b.loss_mask.bool()],
-           ra.reinforce_pp(b.rewards, p.loss_mask, pk, kl_coef)[p.attention_mask][b.loss_mask.bool()])
-    _close(ma.reinforce_pp_baseline(b)[b.loss_mask.bool()],
-           ra.reinforce_pp_baseline(b.rewards, b.group_ids, p.loss_mask)[p.attention_mask][b.loss_mask.bool()])
+    _close(
+        ma.reinforce_pp(b, kl, kl_coef)[b.loss_mask.bool()],
+        ra.reinforce_pp(b.rewards, p.loss_mask, pk, kl_coef)[p.attention_mask][b.loss_mask.bool()],
+    )
+    _close(
+        ma.reinforce_pp_baseline(b)[b.loss_mask.bool()],
+        ra.reinforce_pp_baseline(b.rewards, b.group_ids, p.loss_mask)[p.attention_mask][b.loss_mask.bool()],
+    )

@@ -21,8 +21,11 @@ def _disagrees(tp, dp=1, mb=1):
             loss, grad = megarl_loss_and_grad(case, tp=tp, dp=dp, micro_batches=mb)
         except AssertionError:  # ranks disagree on the loss: caught too
             return True
-        return not (torch.allclose(loss, ref_loss, rtol=1e-9, atol=1e-10)
-                    and torch.allclose(grad, ref_grad, rtol=1e-9, atol=1e-10))
+        return not (
+            torch.allclose(loss, ref_loss, rtol=1e-9, atol=1e-10)
+            and torch.allclose(grad, ref_grad, rtol=1e-9, atol=1e-10)
+        )
+
     return pred
 
 
@@ -31,13 +34,18 @@ def _drop(op_name):
 
     def broken(t, op, group):
         return t if op == op_name else real(t, op, group)
+
     return broken
 
 
 @pytest.mark.parametrize("op", ["sum", "max"])
 def test_dropped_tp_all_reduce_is_caught(monkeypatch, op):
     monkeypatch.setattr(comm, "all_reduce", _drop(op))
-    case = find(rl_cases(torch.float64), _disagrees(tp=2), settings=settings(max_examples=200, database=None, phases=[Phase.generate]))
+    case = find(
+        rl_cases(torch.float64),
+        _disagrees(tp=2),
+        settings=settings(max_examples=200, database=None, phases=[Phase.generate]),
+    )
     assert case.logits.shape[-1] % 2 == 0
 
 
@@ -58,7 +66,11 @@ def test_wrong_gradient_on_one_rank_is_caught(monkeypatch):
 
     monkeypatch.setattr(vocab_parallel._LogprobEntropy, "backward", staticmethod(broken))
     monkeypatch.setattr(vocab_parallel._LogprobEntropy, "forward", staticmethod(forward))
-    find(rl_cases(torch.float64), _disagrees(tp=2), settings=settings(max_examples=200, database=None, phases=[Phase.generate]))
+    find(
+        rl_cases(torch.float64),
+        _disagrees(tp=2),
+        settings=settings(max_examples=200, database=None, phases=[Phase.generate]),
+    )
 
 
 def test_local_instead_of_global_normaliser_is_caught(monkeypatch):
@@ -70,5 +82,8 @@ def test_local_instead_of_global_normaliser_is_caught(monkeypatch):
         return real(batch, None, max_response_len)
 
     monkeypatch.setattr(api.GlobalNormalisers, "from_batch", staticmethod(local_only))
-    find(rl_cases(torch.float64, min_groups=2, min_group_size=2), _disagrees(tp=1, dp=2),
-         settings=settings(max_examples=200, database=None, phases=[Phase.generate]))
+    find(
+        rl_cases(torch.float64, min_groups=2, min_group_size=2),
+        _disagrees(tp=1, dp=2),
+        settings=settings(max_examples=200, database=None, phases=[Phase.generate]),
+    )

@@ -27,8 +27,12 @@ def _assert_equivalent(case, tp, dp, mb, rtol, atol):
     torch.testing.assert_close(grad, ref_grad, rtol=rtol, atol=atol * gscale)
 
 
-@given(case=rl_cases(torch.float64), tp=st.sampled_from([1, 2, 4]), dp=st.sampled_from([1, 2]),
-       mb=st.integers(1, 3))
+@given(
+    case=rl_cases(torch.float64),
+    tp=st.sampled_from([1, 2, 4]),
+    dp=st.sampled_from([1, 2]),
+    mb=st.integers(1, 3),
+)
 def test_objective_matches_reference_fp64(case, tp, dp, mb):
     _assert_equivalent(case, tp, dp, mb, rtol=1e-9, atol=1e-10)
 

@@ -52,12 +52,17 @@ def _run_all(tp, a, b, tg, w, chunk):
         lp_only = vp.vocab_parallel_logprobs(xb, tg, g, chunk)
         # in-place backward (gradient written over a copy of the logits) gives the same gradient
         xc, xd = xb.detach().clone().requires_grad_(), xb.detach().clone().requires_grad_()
-        (w[0] * vp.vocab_parallel_logprobs_entropy(xc * 1.0, tg, g, chunk, inplace_backward=True)[0]).sum().backward()
+        (
+            w[0] * vp.vocab_parallel_logprobs_entropy(xc * 1.0, tg, g, chunk, inplace_backward=True)[0]
+        ).sum().backward()
         (w[0] * vp.vocab_parallel_logprobs_entropy(xd, tg, g, chunk)[0]).sum().backward()
         assert torch.equal(xc.grad, xd.grad)
-        (w[0] * lp + w[1] * ent + w[0] * lse + w[1] * kl + w[0] * h2 + w[1] * ent_only + w[0] * lp_only).sum().backward()
+        (
+            w[0] * lp + w[1] * ent + w[0] * lse + w[1] * kl + w[0] * h2 + w[1] * ent_only + w[0] * lp_only
+        ).sum().backward()
         vals = (lp, ent, lse, kl, h2, ent_only, lp_only)
         return tuple(v.detach() for v in vals), (xa.grad, xb.grad)
+
     return _sharded(tp, fn)
 
 
@@ -71,7 +76,9 @@ def _reference(a, b, tg, w):
     h2 = rd.hellinger_sq(a, b)
     ent_only = rl.entropy(b)
     lp_only = rl.token_logprobs(b, tg)
-    (w[0] * lp + w[1] * ent + w[0] * lse + w[1] * kl + w[0] * h2 + w[1] * ent_only + w[0] * lp_only).sum().backward()
+    (
+        w[0] * lp + w[1] * ent + w[0] * lse + w[1] * kl + w[0] * h2 + w[1] * ent_only + w[0] * lp_only
+    ).sum().backward()
     return (lp, ent, lse, kl, h2, ent_only, lp_only), (a.grad, b.grad)
 
 
@@ -103,7 +110,7 @@ def test_topk_matches_full_vocabulary(args, k):
     k = min(k, a.shape[-1])
     a = a.round()  # many ties: the tie order must match torch.topk on the full logits
     outs = SimulatedWorld(tp).run(lambda r, g: vp.vocab_parallel_topk(a.chunk(tp, -1)[r], k, g))
-    rv, ri = rl.topk(a, k)
+    rv, _ = rl.topk(a, k)
     for v, i in outs:
         assert torch.equal(v, rv)
         assert torch.equal(torch.gather(a, -1, i), rv)  # ids point at equal values (ties may differ)

@@ -28,7 +28,9 @@ def gloo4():
 
 def _check(pool, case, tp, dp, mb):
     ref_loss, ref_grad = reference_loss_and_grad(case)
-    loss, grad = gather_rank_results(pool.run("megarl.testing.equivalence:gloo_case_entry", (case, tp, dp, mb)))
+    loss, grad = gather_rank_results(
+        pool.run("megarl.testing.equivalence:gloo_case_entry", (case, tp, dp, mb))
+    )
     torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_loss.abs())))
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_grad.abs().max())))
 

@@ -37,9 +37,14 @@ def packed_batch(vocab: int, lens=(9, 14, 6, 11), seed: int = 5) -> PackedBatch:
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
     mask = torch.ones(T)
     mask[cu[:-1]] = 0.0  # the first token of a sequence has no logprob
-    return PackedBatch(tokens=torch.randint(0, vocab, (T,), generator=g), cu_seqlens=cu,
-                       prompt_lens=torch.ones(len(lens), dtype=torch.long), loss_mask=mask,
-                       group_ids=torch.arange(len(lens)), advantages=torch.zeros(T)).validate()
+    return PackedBatch(
+        tokens=torch.randint(0, vocab, (T,), generator=g),
+        cu_seqlens=cu,
+        prompt_lens=torch.ones(len(lens), dtype=torch.long),
+        loss_mask=mask,
+        group_ids=torch.arange(len(lens)),
+        advantages=torch.zeros(T),
+    ).validate()
 
 
 def hf_logprobs(model_dir: str, batch: PackedBatch) -> torch.Tensor:
@@ -52,7 +57,7 @@ def hf_logprobs(model_dir: str, batch: PackedBatch) -> torch.Tensor:
     with torch.no_grad():
         for a, b in itertools.pairwise(cu):
             lp = torch.log_softmax(hf(batch.tokens[None, a:b]).logits[0], -1)
-            out[a + 1:b] = lp[:-1].gather(-1, batch.tokens[a + 1:b, None])[:, 0]
+            out[a + 1 : b] = lp[:-1].gather(-1, batch.tokens[a + 1 : b, None])[:, 0]
     return out
 
 
@@ -70,7 +75,9 @@ def run(workdir: str) -> dict:
     groups = initialize_parallel(ParallelLayout(ep=2))
     ln = Learner(LearnerConfig(hf_config=proxy, trainable=False), groups)
     ln.load_hf(proxy)
-    local_experts = sum(1 for n, _ in ln.model.named_parameters() if "local_experts" in n and "linear_fc1" in n)
+    local_experts = sum(
+        1 for n, _ in ln.model.named_parameters() if "local_experts" in n and "linear_fc1" in n
+    )
     batch = packed_batch(1024)
     lp, _ = ln.compute_logprobs(batch)
     ref = hf_logprobs(proxy, batch)
@@ -83,9 +90,15 @@ def run(workdir: str) -> dict:
     extra = sorted(set(exported) - keys)
     t = torch.tensor([diff, len(mismatched) + len(extra)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"logprob_max_abs_diff": float(t[0]), "export_mismatches": int(t[1]), "num_tensors": len(exported),
-            "local_experts_per_layer": local_experts // 2, "mismatched": mismatched[:5], "extra": extra[:5],
-            "ok": float(t[0]) <= TOL and int(t[1]) == 0 and local_experts // 2 == 2}
+    return {
+        "logprob_max_abs_diff": float(t[0]),
+        "export_mismatches": int(t[1]),
+        "num_tensors": len(exported),
+        "local_experts_per_layer": local_experts // 2,
+        "mismatched": mismatched[:5],
+        "extra": extra[:5],
+        "ok": float(t[0]) <= TOL and int(t[1]) == 0 and local_experts // 2 == 2,
+    }
 
 
 def main() -> None:
@@ -96,7 +109,7 @@ def main() -> None:
     init_distributed()
     try:
         res = run(args.workdir)
-    except Exception as e:  # noqa: BLE001 — reported to the pytest side as a failed result
+    except Exception as e:
         res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(res), flush=True)

@@ -28,35 +28,72 @@ CALIB_TEXTS = [
 ] * 6
 
 
-def tiny_moe_config(arch: str = "qwen3_moe", num_experts: int = 8, top_k: int = 2, layers: int = 2, **kw) -> dict:
+def tiny_moe_config(
+    arch: str = "qwen3_moe", num_experts: int = 8, top_k: int = 2, layers: int = 2, **kw
+) -> dict:
     """transformers config kwargs of a tiny MoE of ``arch``."""
-    base = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
-            "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    base = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
     if arch == "qwen3_moe":
-        base.update(intermediate_size=128, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
-                    num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, router_aux_loss_coef=0.0)
+        base.update(
+            intermediate_size=128,
+            num_key_value_heads=2,
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.0,
+        )
     elif arch == "deepseek_v3":
-        base.update(intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
-                    n_routed_experts=num_experts, n_shared_experts=1, num_experts_per_tok=top_k, n_group=2,
-                    topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-                    qk_nope_head_dim=8, v_head_dim=16, norm_topk_prob=True)
+        base.update(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_key_value_heads=4,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            num_experts_per_tok=top_k,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            norm_topk_prob=True,
+        )
     elif arch == "mixtral":
-        base.update(intermediate_size=32, num_key_value_heads=2, num_local_experts=num_experts,
-                    num_experts_per_tok=top_k)
+        base.update(
+            intermediate_size=32,
+            num_key_value_heads=2,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+        )
     else:
         raise ValueError(arch)
     base.update(kw)
     return base
 
 
-def build_tiny_moe(out_dir: str | os.PathLike, arch: str = "qwen3_moe", seed: int = 0, with_tokenizer: bool = True,
-                   **cfg_kw) -> Path:
+def build_tiny_moe(
+    out_dir: str | os.PathLike, arch: str = "qwen3_moe", seed: int = 0, with_tokenizer: bool = True, **cfg_kw
+) -> Path:
     """Save a random tiny MoE (float32 safetensors) + the fixture tokenizer to ``out_dir``."""
     import transformers
 
-    cls = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
-           "mixtral": ("MixtralConfig", "MixtralForCausalLM")}[arch]
+    cls = {
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    }[arch]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cls[0])(**tiny_moe_config(arch, **cfg_kw))
     model = getattr(transformers, cls[1])(cfg).float().eval()

@@ -26,7 +26,7 @@ def load_tensors(d) -> dict[str, torch.Tensor]:
     for f in sorted(os.listdir(d)):
         if f.endswith(".safetensors"):
             with safe_open(os.path.join(d, f), "pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118
+                out.update({k: h.get_tensor(k) for k in h.keys()})
     return out
 
 
@@ -66,7 +66,9 @@ def test_identity_is_bit_identical(work):
     a, b = load_tensors(work["src"]), load_tensors(out)
     assert sorted(a) == sorted(b)
     assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
-    assert json.loads((out / "config.json").read_text()) == json.loads((work["src"] / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (work["src"] / "config.json").read_text()
+    )
     for f in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / f).read_bytes() == (work["src"] / f).read_bytes()
     assert all(lr["kept"] == list(range(E)) for lr in rep["layers"])
@@ -100,7 +102,9 @@ def test_proxy_tensors_and_config(work):
     n_proxy = sum(t.numel() for t in proxy.values())
     assert rep["params_flops"]["total_params"]["proxy"] == n_proxy
     assert rep["params_flops"]["total_params"]["original"] == sum(t.numel() for t in src.values())
-    assert json.loads((work["proxy"] / REPORT_NAME).read_text())["layers"] == json.loads(json.dumps(rep["layers"]))
+    assert json.loads((work["proxy"] / REPORT_NAME).read_text())["layers"] == json.loads(
+        json.dumps(rep["layers"])
+    )
     # FLOPs: top-k unchanged, so per-token expert FLOPs stay; only the router shrinks
     f = rep["params_flops"]["forward_matmul_flops_per_token"]
     assert f["original"] - f["proxy"] == 2 * 2 * (E - 4) * 64
@@ -115,7 +119,9 @@ def test_covered_tokens_get_identical_moe_outputs(work, impl):
     from transformers import AutoModelForCausalLM
 
     def load(d):
-        return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation=impl).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            d, dtype=torch.float32, experts_implementation=impl
+        ).eval()
 
     orig, proxy = load(work["src"]), load(work["proxy"])
     g = torch.Generator().manual_seed(0)
@@ -148,8 +154,10 @@ def test_covered_tokens_get_identical_moe_outputs(work, impl):
 def test_router_indices_in_range_in_full_model(work):
     proxy = load_hf(work["proxy"])
     seen = []
-    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda m, a: seen.append(a[1].clone()))
-             for layer in proxy.model.layers]
+    hooks = [
+        layer.mlp.experts.register_forward_pre_hook(lambda m, a: seen.append(a[1].clone()))
+        for layer in proxy.model.layers
+    ]
     with torch.no_grad():
         proxy(torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(1)))
     for h in hooks:
@@ -182,8 +190,10 @@ def test_statistics_match_a_direct_computation(work):
     model = load_hf(work["src"])
     seqs = tokenize_calibration(CALIB_TEXTS[:8], str(work["src"]), 1024, 300, seq_len=64)
     inputs: dict[int, list] = {0: [], 1: []}
-    hooks = [model.model.layers[i].mlp.register_forward_pre_hook(lambda m, a, i=i: inputs[i].append(a[0][0]))
-             for i in (0, 1)]
+    hooks = [
+        model.model.layers[i].mlp.register_forward_pre_hook(lambda m, a, i=i: inputs[i].append(a[0][0]))
+        for i in (0, 1)
+    ]
     stats = collect_expert_stats(model, seqs, [0, 1])
     for h in hooks:
         h.remove()
@@ -198,8 +208,11 @@ def test_statistics_match_a_direct_computation(work):
         gates = top_v / top_v.sum(-1, keepdim=True)
         assert torch.equal(st.topk, top_i)
         for e in range(E):
-            ye = F.linear(F.silu(F.linear(x, w[f"{p}.experts.{e}.gate_proj.weight"])) *
-                          F.linear(x, w[f"{p}.experts.{e}.up_proj.weight"]), w[f"{p}.experts.{e}.down_proj.weight"])
+            ye = F.linear(
+                F.silu(F.linear(x, w[f"{p}.experts.{e}.gate_proj.weight"]))
+                * F.linear(x, w[f"{p}.experts.{e}.up_proj.weight"]),
+                w[f"{p}.experts.{e}.down_proj.weight"],
+            )
             np.testing.assert_allclose(st.out_signature[e], ye.double().mean(0).numpy(), rtol=1e-4, atol=1e-6)
             routed = top_i == e
             assert st.count[e] == int(routed.sum())
@@ -227,8 +240,12 @@ def test_kmeans_deterministic_and_complete():
 
 
 def test_prune_deterministic_under_seed(work):
-    runs = [prune_moe_checkpoint(work["src"], work["root"] / f"km{i}", 4, str(work["calib"]), method="kmeans",
-                                 seed=11)["layers"] for i in range(2)]
+    runs = [
+        prune_moe_checkpoint(
+            work["src"], work["root"] / f"km{i}", 4, str(work["calib"]), method="kmeans", seed=11
+        )["layers"]
+        for i in range(2)
+    ]
     assert [lr["clusters"] for lr in runs[0]] == [lr["clusters"] for lr in runs[1]]
     a, b = load_tensors(work["root"] / "km0"), load_tensors(work["root"] / "km1")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -247,7 +264,9 @@ def test_group_limited_routing_deepseek(tmp_path):
             pre = f"model.layers.{lr['layer']}.mlp"
             b = s[f"{pre}.gate.e_score_correction_bias"]
             assert torch.equal(p[f"{pre}.gate.e_score_correction_bias"], b[lr["kept"]])
-            assert torch.equal(p[f"{pre}.shared_experts.up_proj.weight"], s[f"{pre}.shared_experts.up_proj.weight"])
+            assert torch.equal(
+                p[f"{pre}.shared_experts.up_proj.weight"], s[f"{pre}.shared_experts.up_proj.weight"]
+            )
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["n_routed_experts"] == 4 and cfg["n_group"] == 2 and cfg["topk_group"] == 1
         assert rep["calibration"]["source"] == str(calib)
@@ -295,40 +314,61 @@ def test_bad_inputs_fail_before_any_work(work, tmp_path, no_model_load):
     (tmp_path / "empty.jsonl").write_text("\n")
     _expect("empty", lambda: prune_moe_checkpoint(src, out, 4, str(tmp_path / "empty.jsonl")), out)
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no field"}\n')
-    _expect("bad.jsonl: row 2 has no string field text or prompt",
-            lambda: prune_moe_checkpoint(src, out, 4, str(tmp_path / "bad.jsonl")), out)
+    _expect(
+        "bad.jsonl: row 2 has no string field text or prompt",
+        lambda: prune_moe_checkpoint(src, out, 4, str(tmp_path / "bad.jsonl")),
+        out,
+    )
     (tmp_path / "broken.jsonl").write_text('{"text": "ok"\n')
-    _expect("broken.jsonl: row 1 is not valid JSON", lambda: prune_moe_checkpoint(src, out, 4,
-                                                                                  str(tmp_path / "broken.jsonl")), out)
-    _expect("config.json: expected a JSON list of strings",
-            lambda: prune_moe_checkpoint(src, out, 4, str(work["src"] / "config.json")), out)
+    _expect(
+        "broken.jsonl: row 1 is not valid JSON",
+        lambda: prune_moe_checkpoint(src, out, 4, str(tmp_path / "broken.jsonl")),
+        out,
+    )
+    _expect(
+        "config.json: expected a JSON list of strings",
+        lambda: prune_moe_checkpoint(src, out, 4, str(work["src"] / "config.json")),
+        out,
+    )
     (tmp_path / "c.csv").write_text("text\nhello\n")
     _expect("c.csv: unknown format", lambda: prune_moe_checkpoint(src, out, 4, str(tmp_path / "c.csv")), out)
-    _expect("calibration list: no calibration text", lambda: prune_moe_checkpoint(src, out, 4, ["  ", "\n"]), out)
+    _expect(
+        "calibration list: no calibration text", lambda: prune_moe_checkpoint(src, out, 4, ["  ", "\n"]), out
+    )
     _expect("calibration list item 1 is int", lambda: prune_moe_checkpoint(src, out, 4, ["a", 3]), out)
     # the output exists already / lies inside the source
     existing = tmp_path / "exists"
     existing.mkdir()
     with pytest.raises(ProxyInputError, match="exists; refusing to overwrite"):
         prune_moe_checkpoint(src, existing, 4, calib)
-    _expect("inside the source model directory", lambda: prune_moe_checkpoint(src, src / "sub", 4, calib),
-            src / "sub")
+    _expect(
+        "inside the source model directory",
+        lambda: prune_moe_checkpoint(src, src / "sub", 4, calib),
+        src / "sub",
+    )
 
 
 def test_bad_model_dirs(tmp_path, no_model_load):
     calib, out = CALIB_TEXTS, tmp_path / "out"
     _expect("not a directory", lambda: prune_moe_checkpoint(tmp_path / "missing", out, 2, calib), out)
     (tmp_path / "noconf").mkdir()
-    _expect("noconf/config.json: missing", lambda: prune_moe_checkpoint(tmp_path / "noconf", out, 2, calib), out)
+    _expect(
+        "noconf/config.json: missing", lambda: prune_moe_checkpoint(tmp_path / "noconf", out, 2, calib), out
+    )
     dense = tmp_path / "dense"
     dense.mkdir()
-    (dense / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64, "vocab_size": 1024}))
+    (dense / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "hidden_size": 64, "vocab_size": 1024})
+    )
     _expect("dense model", lambda: prune_moe_checkpoint(dense, out, 2, calib), out)
     # MoE config but no weights
     moe = tmp_path / "noweights"
     moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8,
-                                                 "num_experts_per_tok": 2, "vocab_size": 1024}))
+    (moe / "config.json").write_text(
+        json.dumps(
+            {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 1024}
+        )
+    )
     _expect("no \\*.safetensors weight file", lambda: prune_moe_checkpoint(moe, out, 4, calib), out)
 
 
@@ -340,8 +380,11 @@ def test_bad_checkpoint_contents(work, tmp_path, no_model_load):
     cfg = json.loads((lie / "config.json").read_text())
     cfg["num_local_experts"] = 16
     (lie / "config.json").write_text(json.dumps(cfg))
-    _expect("gate.weight' has shape \\[8, 64\\]; expected leading dimension num_experts=16",
-            lambda: prune_moe_checkpoint(lie, out, 4, CALIB_TEXTS), out)
+    _expect(
+        "gate.weight' has shape \\[8, 64\\]; expected leading dimension num_experts=16",
+        lambda: prune_moe_checkpoint(lie, out, 4, CALIB_TEXTS),
+        out,
+    )
     # no tokenizer
     notok = tmp_path / "notok"
     shutil.copytree(work["src"], notok, ignore=shutil.ignore_patterns("tokenizer*"))
@@ -369,12 +412,44 @@ def test_cli_prune_and_errors(work, capsys, monkeypatch):
     from megarl.proxy import cli as proxy_cli
 
     out = work["root"] / "cli2"
-    rc = cli.main(["proxy", "prune", "--model", str(work["src"]), "--experts", "2", "--calib", str(work["calib"]),
-                   "--out", str(out), "--method", "kmeans", "--seed", "3", "--ep-size", "2"])
+    rc = cli.main(
+        [
+            "proxy",
+            "prune",
+            "--model",
+            str(work["src"]),
+            "--experts",
+            "2",
+            "--calib",
+            str(work["calib"]),
+            "--out",
+            str(out),
+            "--method",
+            "kmeans",
+            "--seed",
+            "3",
+            "--ep-size",
+            "2",
+        ]
+    )
     assert rc == 0 and (out / REPORT_NAME).exists()
     assert "proxy written to" in capsys.readouterr().out
-    rc = cli.main(["proxy", "prune", "--model", str(work["src"]), "--experts", "3", "--calib", str(work["calib"]),
-                   "--out", str(work["root"] / "cli3"), "--ep-size", "2"])
+    rc = cli.main(
+        [
+            "proxy",
+            "prune",
+            "--model",
+            str(work["src"]),
+            "--experts",
+            "3",
+            "--calib",
+            str(work["calib"]),
+            "--out",
+            str(work["root"] / "cli3"),
+            "--ep-size",
+            "2",
+        ]
+    )
     assert rc == 2 and "not divisible by --ep-size 2" in capsys.readouterr().err
     monkeypatch.setitem(proxy_cli.DELEGATED, "replay", "megarl.proxy.no_such_module")
     assert proxy_cli.main(["replay", "x"]) == 2

@@ -23,8 +23,20 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_proxy_round_trip_through_converter_at_ep2(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), os.path.join(HERE, "dist_proxy.py"), "--workdir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        os.path.join(HERE, "dist_proxy.py"),
+        "--workdir",
+        str(tmp_path),
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

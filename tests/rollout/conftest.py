@@ -36,9 +36,16 @@ def vllm_server(tiny_models, tmp_path_factory):
     """
     python = require_vllm_python()
     work = tmp_path_factory.mktemp("vllm-server")
-    cfg = VLLMServerConfig(model_dir=str(tiny_models["v1"]), python=python, served_model_name="tiny",
-                           expose_host="127.0.0.1", work_dir=str(work), max_num_seqs=32,
-                           dtype="float32", startup_timeout_s=600)
+    cfg = VLLMServerConfig(
+        model_dir=str(tiny_models["v1"]),
+        python=python,
+        served_model_name="tiny",
+        expose_host="127.0.0.1",
+        work_dir=str(work),
+        max_num_seqs=32,
+        dtype="float32",
+        startup_timeout_s=600,
+    )
     t0 = time.monotonic()
     server = launch_vllm(cfg)
     print(f"\nvLLM server healthy after {time.monotonic() - t0:.1f} s")

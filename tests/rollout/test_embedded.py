@@ -53,6 +53,7 @@ def test_greedy_equals_transformers_across_weight_update_and_revert(tiny_models)
         await eng.update_weights(tiny_models["v1"], version="3")
         out.append((await eng.generate(PROMPT, sampling=GREEDY)).samples[0])
         return out
+
     s1, s2, s3 = run(go())
     assert s1.token_ids == ref1 and s2.token_ids == ref2 and s3.token_ids == ref1
     assert (s1.weight_version, s2.weight_version, s3.weight_version) == ("0", "2", "3")
@@ -60,6 +61,7 @@ def test_greedy_equals_transformers_across_weight_update_and_revert(tiny_models)
 
 def test_in_memory_weight_update(tiny_models):
     from safetensors.torch import load_file
+
     eng = EmbeddedEngine.from_pretrained(str(tiny_models["v1"]))
     state = load_file(str(tiny_models["v2"] / "model.safetensors"))
     run(eng.update_weights_from_tensors(state, version="7"))
@@ -69,12 +71,18 @@ def test_in_memory_weight_update(tiny_models):
 
 def test_stop_token_and_stop_string(engine, tiny_models):
     greedy = hf_greedy(str(tiny_models["v1"]), PROMPT, 8)
-    s = run(engine.generate(PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=8,
-                                                            stop_token_ids=(greedy[2],)))).samples[0]
+    s = run(
+        engine.generate(
+            PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(greedy[2],))
+        )
+    ).samples[0]
     assert s.token_ids == greedy[:3] and s.finish_reason == "stop" and s.stop_reason == greedy[2]
     text = engine.tokenizer.decode(greedy[:2])
-    s = run(engine.generate(PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=8,
-                                                            stop_strings=(text[-3:],)))).samples[0]
+    s = run(
+        engine.generate(
+            PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=8, stop_strings=(text[-3:],))
+        )
+    ).samples[0]
     assert s.token_ids == greedy[:2] and s.finish_reason == "stop"
 
 
@@ -97,9 +105,11 @@ def test_abort_returns_partial_output_and_pause_holds_requests(tiny_models):
     eng = EmbeddedEngine.from_pretrained(str(tiny_models["v1"]))
 
     async def go():
-        long = asyncio.ensure_future(eng.generate(PROMPT, sampling=SamplingParams(max_new_tokens=2000 - 20,
-                                                                                  ignore_eos=True),
-                                                  request_id="long"))
+        long = asyncio.ensure_future(
+            eng.generate(
+                PROMPT, sampling=SamplingParams(max_new_tokens=2000 - 20, ignore_eos=True), request_id="long"
+            )
+        )
         while "long" not in eng._abort_flags:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
@@ -111,6 +121,7 @@ def test_abort_returns_partial_output_and_pause_holds_requests(tiny_models):
         assert not held.done() and eng.outstanding == 1
         await eng.resume()
         return aborted, await held
+
     aborted, held = run(go())
     assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 1980
     assert len(aborted.logprobs) == len(aborted.token_ids)
@@ -122,13 +133,16 @@ def test_concurrency_bound_is_backpressure(tiny_models):
 
     async def go():
         peak = 0
-        tasks = [asyncio.ensure_future(eng.generate(PROMPT, sampling=SamplingParams(max_new_tokens=8)))
-                 for _ in range(6)]
+        tasks = [
+            asyncio.ensure_future(eng.generate(PROMPT, sampling=SamplingParams(max_new_tokens=8)))
+            for _ in range(6)
+        ]
         while not all(t.done() for t in tasks):
             peak = max(peak, len(eng._inflight))
             assert eng.outstanding <= 6
             await asyncio.sleep(0.001)
         return peak, [t.result() for t in tasks]
+
     peak, results = run(go())
     assert peak == 2 and len(results) == 6
 
@@ -137,8 +151,9 @@ def test_shutdown_fails_in_flight_and_later_requests(tiny_models):
     eng = EmbeddedEngine.from_pretrained(str(tiny_models["v1"]))
 
     async def go():
-        t = asyncio.ensure_future(eng.generate(PROMPT, sampling=SamplingParams(max_new_tokens=1500,
-                                                                               ignore_eos=True)))
+        t = asyncio.ensure_future(
+            eng.generate(PROMPT, sampling=SamplingParams(max_new_tokens=1500, ignore_eos=True))
+        )
         await asyncio.sleep(0.3)
         eng.shutdown("test kill")
         with pytest.raises(EngineDeadError, match="test kill"):
@@ -146,14 +161,17 @@ def test_shutdown_fails_in_flight_and_later_requests(tiny_models):
         with pytest.raises(EngineDeadError, match="engine is down"):
             await eng.generate(PROMPT)
         assert not await eng.health()
+
     run(go())
 
 
 def test_multi_turn_guessing_game_masks_observations(engine):
     async def go():
         env = GuessingGame(engine.tokenizer, lo=1, hi=1, max_turns=3)  # secret is 1
-        return await run_episode(engine, env, SamplingParams(max_new_tokens=6, seed=1, ignore_eos=True),
-                                 seed=0, max_turns=3)
+        return await run_episode(
+            engine, env, SamplingParams(max_new_tokens=6, seed=1, ignore_eos=True), seed=0, max_turns=3
+        )
+
     ep = run(go())
     batch = episodes_to_batch([ep], group_ids=[0], policy_versions=[0])
     assert batch.turn_spans[0][0] == (0, ep.prompt_len, "prompt")

@@ -15,9 +15,19 @@ def tiny_moe(seed: int):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    cfg = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     model = Qwen3MoeForCausalLM(cfg).float().eval()
     for p in model.parameters():  # fused expert parameters start uninitialised in some versions
         torch.nn.init.normal_(p, std=0.05)
@@ -29,11 +39,14 @@ def per_expert_state(model) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in model.state_dict().items():
         if k.endswith("experts.gate_up_proj"):
-            p, I = k[:-len(".gate_up_proj")], v.shape[1] // 2
+            p, inter = k[: -len(".gate_up_proj")], v.shape[1] // 2
             for e in range(v.shape[0]):
-                out[f"{p}.{e}.gate_proj.weight"], out[f"{p}.{e}.up_proj.weight"] = v[e, :I].clone(), v[e, I:].clone()
+                out[f"{p}.{e}.gate_proj.weight"], out[f"{p}.{e}.up_proj.weight"] = (
+                    v[e, :inter].clone(),
+                    v[e, inter:].clone(),
+                )
         elif k.endswith("experts.down_proj"):
-            p = k[:-len(".down_proj")]
+            p = k[: -len(".down_proj")]
             for e in range(v.shape[0]):
                 out[f"{p}.{e}.down_proj.weight"] = v[e].clone()
         else:

@@ -24,6 +24,7 @@ def run(coro):
 @pytest.fixture
 def three_engines(tiny_models):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(tiny_models["v1"]), dtype="float32")
     return [EmbeddedEngine(model, name=f"e{i}", max_concurrency=2) for i in range(3)]
 
@@ -34,18 +35,23 @@ def test_least_outstanding_balancing(three_engines):
 
     async def go():
         # Three concurrent requests land on three different engines.
-        results = await asyncio.gather(*(pool.generate(PROMPT, sampling=SamplingParams(max_new_tokens=4, seed=i))
-                                         for i in range(3)))
+        results = await asyncio.gather(
+            *(pool.generate(PROMPT, sampling=SamplingParams(max_new_tokens=4, seed=i)) for i in range(3))
+        )
         assert sorted(r.engine for r in results) == ["e0", "e1", "e2"]
         # With e0 holding two requests and e2 one, the next request goes to e1.
-        busy = [asyncio.ensure_future(e.generate(PROMPT, sampling=SamplingParams(max_new_tokens=200,
-                                                                                 ignore_eos=True)))
-                for e in (e0, e0, e2)]
+        busy = [
+            asyncio.ensure_future(
+                e.generate(PROMPT, sampling=SamplingParams(max_new_tokens=200, ignore_eos=True))
+            )
+            for e in (e0, e0, e2)
+        ]
         await asyncio.sleep(0)
         assert (e0.outstanding, e1.outstanding, e2.outstanding) == (2, 0, 1)
         nxt = await pool.generate(PROMPT, sampling=SamplingParams(max_new_tokens=2))
         await asyncio.gather(*busy)
         return nxt
+
     assert run(go()).engine == "e1"
 
 
@@ -54,14 +60,17 @@ def test_dead_engine_marked_down_and_requests_retried(three_engines):
     pool = EnginePool(three_engines, max_attempts=3)
 
     async def go():
-        items = [BatchItem(PROMPT, sampling=SamplingParams(max_new_tokens=300, ignore_eos=True, seed=i))
-                 for i in range(6)]
+        items = [
+            BatchItem(PROMPT, sampling=SamplingParams(max_new_tokens=300, ignore_eos=True, seed=i))
+            for i in range(6)
+        ]
         task = asyncio.ensure_future(pool.generate_batch(items))
         while e0.outstanding == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
         e0.shutdown("killed by test")  # its in-flight requests fail at their next decode step
         return await task
+
     results = run(go())
     assert len(results) == 6 and all(len(r.samples[0].token_ids) == 300 for r in results)
     assert all(r.engine in ("e1", "e2") for r in results)
@@ -80,14 +89,16 @@ def test_no_engine_left_is_a_clear_error_and_finished_results_are_kept(three_eng
         with pytest.raises(NoHealthyEngineError, match="e0: .*node lost.*e1: .*node lost too"):
             await pool.generate(PROMPT)
         return done
+
     assert len(run(go()).samples[0].token_ids) == 2
 
     # A batch where some requests finish before the last engine dies keeps those results.
     pool2 = EnginePool([e2])
 
     async def go2():
-        items = [BatchItem(PROMPT, sampling=SamplingParams(max_new_tokens=2))] * 2 + \
-                [BatchItem(PROMPT, sampling=SamplingParams(max_new_tokens=1900, ignore_eos=True))]
+        items = [BatchItem(PROMPT, sampling=SamplingParams(max_new_tokens=2))] * 2 + [
+            BatchItem(PROMPT, sampling=SamplingParams(max_new_tokens=1900, ignore_eos=True))
+        ]
         task = asyncio.ensure_future(pool2.generate_batch(items))
         while pool2.members[0].served < 2:
             await asyncio.sleep(0.01)
@@ -95,6 +106,7 @@ def test_no_engine_left_is_a_clear_error_and_finished_results_are_kept(three_eng
         with pytest.raises(PartialRolloutError, match="1 of 3 requests failed") as err:
             await task
         return err.value
+
     err = run(go2())
     assert [r is not None for r in err.results] == [True, True, False]
     assert isinstance(err.errors[2], NoHealthyEngineError)
@@ -109,6 +121,7 @@ def test_bad_request_is_not_retried(three_engines):
 
 def test_guessing_game_rules(tiny_models):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(tiny_models["v1"]))
     env = GuessingGame(tok, lo=1, hi=100, max_turns=3)
     prompt = env.reset(seed=4)
@@ -152,8 +165,9 @@ def test_weights_dir_checks(tiny_models, tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(WeightsDirError, match="config.json: not valid JSON"):
         check_weights_dir(bad)
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
+
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text("{}")
@@ -168,7 +182,9 @@ def test_vllm_routed_experts_payload_decodes():
     import io
 
     import numpy as np
+
     from megarl.rollout.vllm_client import decode_routed_experts
+
     arr = np.arange(5 * 3 * 2, dtype=np.uint8).reshape(5, 3, 2)
     buf = io.BytesIO()
     np.save(buf, arr)
@@ -191,10 +207,13 @@ def test_make_engine_defaults_to_embedded_without_servers(tiny_models):
         assert all(isinstance(m.engine, VLLMEngine) for m in two.members)
         for e in (one, two):
             await e.close()
+
     asyncio.run(go())
     with pytest.raises(ValueError, match="no server configured and no model_dir"):
         from megarl.rollout import make_engine
+
         make_engine([])
     with pytest.raises(ValueError, match="unknown engine kind 'tgi'"):
         from megarl.rollout import make_engine
+
         make_engine(["http://x"], kind="tgi")

@@ -32,8 +32,12 @@ def sglang_server(tiny_models, tmp_path_factory):
         if os.environ.get("MEGARL_REQUIRE_SGLANG") == "1":
             pytest.fail("MEGARL_REQUIRE_SGLANG=1 but MEGARL_SGLANG_PYTHON is not set")
         pytest.skip("no SGLang here (set MEGARL_SGLANG_PYTHON on a GPU machine; see gpu_sglang.sh)")
-    cfg = SGLangServerConfig(model_dir=str(tiny_models["v1"]), python=python, dtype="float32",
-                             work_dir=str(tmp_path_factory.mktemp("sglang")))
+    cfg = SGLangServerConfig(
+        model_dir=str(tiny_models["v1"]),
+        python=python,
+        dtype="float32",
+        work_dir=str(tmp_path_factory.mktemp("sglang")),
+    )
     server = launch_sglang(cfg)
     yield server
     server.stop()
@@ -63,8 +67,11 @@ def test_live_generate_logprobs_reload_and_failures(sglang_server, tiny_models, 
                 await eng.update_weights(str(tmp_path / "missing"), check_dir=False)
             g4 = (await eng.generate(PROMPT, 1, GREEDY)).samples[0]
             # abort by id and pause(abort): HTTP 200 with partial output, finish_reason "abort"
-            t = asyncio.ensure_future(eng.generate(PROMPT, 1, SamplingParams(max_new_tokens=900, ignore_eos=True),
-                                                   request_id="live-abort"))
+            t = asyncio.ensure_future(
+                eng.generate(
+                    PROMPT, 1, SamplingParams(max_new_tokens=900, ignore_eos=True), request_id="live-abort"
+                )
+            )
             await asyncio.sleep(0.3)
             await eng.abort("live-abort")
             ab = (await t).samples[0]
@@ -72,6 +79,7 @@ def test_live_generate_logprobs_reload_and_failures(sglang_server, tiny_models, 
                 await eng.generate([5, 1024, 5000])
             assert await eng.health()
             return g1, g2, g3, g4, ab
+
     g1, g2, g3, g4, ab = run(go())
     assert g1.token_ids == hf_greedy(v1, PROMPT, 16) == g3.token_ids == g4.token_ids
     assert g2.token_ids == hf_greedy(v2, PROMPT, 16) and g2.weight_version == "v2"
@@ -95,4 +103,5 @@ def test_live_key_policy(sglang_server, tiny_models):
         async with sglang_server.client(admin_key=keys.api_key) as eng:
             with pytest.raises(AuthError):
                 await eng.pause()
+
     run(go())

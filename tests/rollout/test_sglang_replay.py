@@ -13,7 +13,7 @@ from megarl.rollout.keys import RolloutKeys
 from megarl.rollout.sglang_client import SGLangEngine
 from megarl.rollout.testing_models import find_tiny_qwen3_fixture
 from megarl.rollout.testing_replay import SGLANG_ADMIN_ROUTES, ReplayServer
-from megarl.rollout.types import (AuthError, BadRequestError, EngineDeadError, SamplingParams, WeightsDirError)
+from megarl.rollout.types import AuthError, BadRequestError, EngineDeadError, SamplingParams, WeightsDirError
 from tests.rollout.conftest import PROMPT
 from tests.rollout.hf_reference import hf_greedy
 
@@ -35,8 +35,9 @@ def test_every_sglang_transcript_through_the_client(tiny_models, tmp_path):
     keys = RolloutKeys.generate()
 
     async def go():
-        replay = await ReplayServer(TRANSCRIPT, {"MODEL_DIR": v1, "MODEL_DIR_V2": v2, "NONEXISTENT_DIR": missing},
-                                    keys=keys).start()
+        replay = await ReplayServer(
+            TRANSCRIPT, {"MODEL_DIR": v1, "MODEL_DIR_V2": v2, "NONEXISTENT_DIR": missing}, keys=keys
+        ).start()
         kw = dict(api_key=keys.api_key, admin_key=keys.admin_key, vocab_size=1024, max_model_len=1024)
         plain = SGLangEngine(replay.url, return_logprob=False, **kw)
         out = {}
@@ -58,18 +59,24 @@ def test_every_sglang_transcript_through_the_client(tiny_models, tmp_path):
         for s in r.samples:
             assert len(s.logprobs) == len(s.token_ids) == 8 and all(x <= 0 for x in s.logprobs)
             assert [t[1] for t in s.meta["input_token_logprobs"]] == PROMPT
-        lp5 = SGLangEngine(replay.url, logprob_start_len=5, top_logprobs_num=1, return_text_in_logprobs=True, **kw)
+        lp5 = SGLangEngine(
+            replay.url, logprob_start_len=5, top_logprobs_num=1, return_text_in_logprobs=True, **kw
+        )
         r = await lp5.generate(PROMPT, 1, SamplingParams(max_new_tokens=4))
         assert [t[1] for t in r.samples[0].meta["input_token_logprobs"]] == PROMPT[5:]
         assert len(r.samples[0].logprobs) == 4
         # 10-11: stop token included and reported; ignore_eos runs to the limit
-        r = await plain.generate(PROMPT, 1, SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(838,)))
+        r = await plain.generate(
+            PROMPT, 1, SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(838,))
+        )
         s = r.samples[0]
         assert s.token_ids[-1] == 838 and s.finish_reason == "stop" and s.stop_reason == 838
         r = await plain.generate(PROMPT, 1, SamplingParams(max_new_tokens=16, ignore_eos=True))
         assert r.samples[0].finish_reason == "length" and len(r.samples[0].token_ids) == 16
         # 12: a text prompt is not part of the token-in interface: sent raw through the client
-        body = await plain.request("POST", "/generate", json_body=recorded("generate_text_prompt")["request_json"])
+        body = await plain.request(
+            "POST", "/generate", json_body=recorded("generate_text_prompt")["request_json"]
+        )
         out["text_prompt"] = body["output_ids"]
         # 13-18: weight update to v2 and back
         out["greedy_v1"] = (await plain.generate(PROMPT, 1, GREEDY)).samples[0]
@@ -93,16 +100,22 @@ def test_every_sglang_transcript_through_the_client(tiny_models, tmp_path):
         r = await t
         assert r.samples[0].finish_reason == "length" and len(r.samples[0].token_ids) == 400
         # 26-28: pause in abort mode cuts a running request: HTTP 200, partial output, "abort"
-        t = asyncio.ensure_future(plain.generate(PROMPT, 1, SamplingParams(max_new_tokens=800, ignore_eos=True),
-                                                 request_id="pause-abort-demo"))
+        t = asyncio.ensure_future(
+            plain.generate(
+                PROMPT, 1, SamplingParams(max_new_tokens=800, ignore_eos=True), request_id="pause-abort-demo"
+            )
+        )
         await asyncio.sleep(0.1)
         await plain.pause("abort")
         r = await t
         assert r.samples[0].finish_reason == "abort" and 0 < len(r.samples[0].token_ids) < 800
         await plain.resume()
         # 29-31: abort one request by id; aborting an unknown id is not an error
-        t = asyncio.ensure_future(plain.generate(PROMPT, 1, SamplingParams(max_new_tokens=1000, ignore_eos=True),
-                                                 request_id="long-abort-demo"))
+        t = asyncio.ensure_future(
+            plain.generate(
+                PROMPT, 1, SamplingParams(max_new_tokens=1000, ignore_eos=True), request_id="long-abort-demo"
+            )
+        )
         await asyncio.sleep(0.1)
         assert await plain.abort("long-abort-demo") == 1
         r = await t
@@ -119,8 +132,11 @@ def test_every_sglang_transcript_through_the_client(tiny_models, tmp_path):
         with pytest.raises(BadRequestError, match="max_new_tokens' must be >= 1"):
             await plain.generate(PROMPT, 1, SamplingParams(max_new_tokens=-1))  # refused before sending
         with pytest.raises(BadRequestError, match="max_new_tokens must be at least 0, got -1"):
-            await plain.request("POST", "/generate", json_body=recorded("bad_generate_negative_max_new_tokens")
-                                ["request_json"])
+            await plain.request(
+                "POST",
+                "/generate",
+                json_body=recorded("bad_generate_negative_max_new_tokens")["request_json"],
+            )
         for name in ("bad_generate_invalid_json", "bad_v1_completions_invalid_json"):
             rec = recorded(name)
             with pytest.raises(BadRequestError, match="(?s)HTTP 400: 1 validation error.*JSON decode error"):
@@ -140,8 +156,9 @@ def test_every_sglang_transcript_through_the_client(tiny_models, tmp_path):
             await plain.generate([5, 1024, 5000], 1, SamplingParams(max_new_tokens=4))
         assert "bad_generate_token_out_of_vocab" in replay.unused()
         with pytest.raises(EngineDeadError, match="RemoteProtocolError|ReadError|connection"):
-            await plain.request("POST", "/generate", json_body=recorded("bad_generate_token_out_of_vocab")
-                                ["request_json"])
+            await plain.request(
+                "POST", "/generate", json_body=recorded("bad_generate_token_out_of_vocab")["request_json"]
+            )
         assert not await plain.health()
         fresh = SGLangEngine(replay.url, **kw)
         assert not await fresh.health() and not await fresh.health(generate=True)
@@ -187,5 +204,6 @@ def test_wrong_keys_are_refused_by_the_key_policy(tiny_models):
             await e.close()
         await replay.stop()
         return replay
+
     replay = asyncio.run(go())
     assert replay.used.count(True) == 1  # only /health reached the recorded exchanges

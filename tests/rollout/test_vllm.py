@@ -15,9 +15,14 @@ import torch
 
 from megarl.rollout.embedded import EmbeddedEngine, teacher_forced_logprobs
 from megarl.rollout.environments import GuessingGame, episodes_to_batch, run_episode
-from megarl.rollout.pool import BatchItem, EnginePool, PartialRolloutError
-from megarl.rollout.types import (AuthError, BadRequestError, NoHealthyEngineError, SamplingParams,
-                                  WeightsDirError)
+from megarl.rollout.pool import BatchItem, EnginePool
+from megarl.rollout.types import (
+    AuthError,
+    BadRequestError,
+    NoHealthyEngineError,
+    SamplingParams,
+    WeightsDirError,
+)
 from tests.rollout.conftest import PROMPT
 from tests.rollout.hf_reference import hf_greedy, load_hf
 
@@ -39,6 +44,7 @@ def test_n_samples_with_token_ids_logprobs_and_seed(vllm_server):
             a = await eng.generate(PROMPT, n=4, sampling=sp)
             b = await eng.generate(PROMPT, n=4, sampling=sp)
             return a, b
+
     a, b = run(go())
     assert len(a.samples) == 4
     for s in a.samples:
@@ -53,8 +59,10 @@ def test_n_samples_with_token_ids_logprobs_and_seed(vllm_server):
 def test_logprobs_agree_with_learner_recomputation(vllm_server, tiny_models):
     async def go():
         async with vllm_server.client() as eng:
-            return await eng.generate(PROMPT, n=4, sampling=SamplingParams(max_new_tokens=24, ignore_eos=True,
-                                                                            seed=7))
+            return await eng.generate(
+                PROMPT, n=4, sampling=SamplingParams(max_new_tokens=24, ignore_eos=True, seed=7)
+            )
+
     res = run(go())
     model = load_hf(str(tiny_models["v1"]), "float32")
     diffs = []
@@ -71,10 +79,12 @@ def test_stop_token_is_included_and_reported(vllm_server, tiny_models):
 
     async def go():
         async with vllm_server.client() as eng:
-            return await eng.generate(PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=8,
-                                                                      stop_token_ids=(stop,)))
+            return await eng.generate(
+                PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,))
+            )
+
     s = run(go()).samples[0]
-    assert s.token_ids == greedy[:greedy.index(stop) + 1]
+    assert s.token_ids == greedy[: greedy.index(stop) + 1]
     assert s.finish_reason == "stop" and s.stop_reason == stop
 
 
@@ -93,6 +103,7 @@ def test_greedy_matches_transformers_across_weight_reload_and_revert(vllm_server
             await eng.update_weights(v1, version="3")
             out.append((await eng.generate(PROMPT, sampling=greedy)).samples[0])
             return out, server_version
+
     (s1, s2, s3), server_version = run(go())
     assert s1.token_ids == ref1
     assert s2.token_ids == ref2 and s2.weight_version == "2" and server_version == "2"
@@ -121,8 +132,10 @@ def test_bad_requests_give_clear_errors_and_leave_server_alive(vllm_server, tmp_
             with pytest.raises(WeightsDirError, match="does not exist"):
                 await raw.update_weights(tmp_path / "missing")
             assert await raw.health()
-            return await raw.generate(PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=4,
-                                                                      ignore_eos=True))
+            return await raw.generate(
+                PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+            )
+
     res = run(go())
     assert res.samples[0].token_ids == hf_greedy(str(tiny_models["v1"]), PROMPT, 4)
 
@@ -149,11 +162,14 @@ def test_keys_are_required_for_generation_and_weight_reload(vllm_server, tiny_mo
     for proc in (vllm_server.proc, vllm_server.proxy_proc):
         cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read().decode()
         assert keys.api_key not in cmdline and keys.admin_key not in cmdline
+
     # The refused reload did not happen: greedy output is still v1's.
     async def go():
         async with vllm_server.client() as eng:
-            return await eng.generate(PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=6,
-                                                                      ignore_eos=True))
+            return await eng.generate(
+                PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+            )
+
     assert run(go()).samples[0].token_ids == hf_greedy(str(tiny_models["v1"]), PROMPT, 6)
 
 
@@ -162,14 +178,21 @@ def test_client_with_wrong_key_gets_auth_error(vllm_server):
         async with vllm_server.client(api_key="nope", admin_key="nope") as eng:
             with pytest.raises(AuthError, match="401"):
                 await eng.generate(PROMPT, sampling=SamplingParams(max_new_tokens=2))
+
     run(go())
 
 
 def test_abort_pause_and_resume(vllm_server, tiny_models):
     async def go():
         async with vllm_server.client() as eng:
-            long = asyncio.ensure_future(eng.generate(PROMPT, n=2, sampling=SamplingParams(
-                max_new_tokens=1000, ignore_eos=True), request_id="long-one"))
+            long = asyncio.ensure_future(
+                eng.generate(
+                    PROMPT,
+                    n=2,
+                    sampling=SamplingParams(max_new_tokens=1000, ignore_eos=True),
+                    request_id="long-one",
+                )
+            )
             while eng.outstanding == 0 or "long-one" not in eng._inflight:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
@@ -181,12 +204,16 @@ def test_abort_pause_and_resume(vllm_server, tiny_models):
             await eng.pause(mode="wait")
             assert time.monotonic() - t0 < 5.0
             # new requests are held until resume, then served normally
-            held = asyncio.ensure_future(eng.generate(PROMPT, sampling=SamplingParams(
-                temperature=0, max_new_tokens=4, ignore_eos=True)))
+            held = asyncio.ensure_future(
+                eng.generate(
+                    PROMPT, sampling=SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+                )
+            )
             await asyncio.sleep(0.3)
             assert not held.done() and eng.paused
             await eng.resume()
             return aborted, await held, await eng.health()
+
     aborted, held, healthy = run(go())
     assert [s.finish_reason for s in aborted.samples] == ["abort", "abort"]
     assert held.samples[0].token_ids == hf_greedy(str(tiny_models["v1"]), PROMPT, 4) and healthy
@@ -194,16 +221,31 @@ def test_abort_pause_and_resume(vllm_server, tiny_models):
 
 def test_three_turn_episode_through_vllm(vllm_server, tiny_models):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(tiny_models["v1"]))
 
     async def go():
         async with vllm_server.client() as eng:
             env = GuessingGame(tok, lo=1000, hi=9999, max_turns=3)  # a random model will not hit it
-            return await run_episode(eng, env, SamplingParams(temperature=1.0, max_new_tokens=10, seed=3,
-                                                              ignore_eos=True), max_turns=5, seed=11)
+            return await run_episode(
+                eng,
+                env,
+                SamplingParams(temperature=1.0, max_new_tokens=10, seed=3, ignore_eos=True),
+                max_turns=5,
+                seed=11,
+            )
+
     ep = run(go())
     roles = [r for _, _, r in ep.turn_spans]
-    assert roles == ["prompt", "assistant", "observation", "assistant", "observation", "assistant", "observation"]
+    assert roles == [
+        "prompt",
+        "assistant",
+        "observation",
+        "assistant",
+        "observation",
+        "assistant",
+        "observation",
+    ]
     assert len(ep.rewards) == 3 and ep.total_reward == 0.0
     # Observation and prompt tokens are out of the loss; generated tokens are in it.
     for s, e, role in ep.turn_spans:
@@ -223,8 +265,10 @@ def test_server_killed_mid_batch_requests_finish_elsewhere(vllm_server, tiny_mod
     """Kill the vLLM server while a batch is in flight: the pool retries its requests on the
     embedded engine, keeps what finished, then reports a clear error when nothing is left."""
     embedded = EmbeddedEngine.from_pretrained(str(tiny_models["v1"]), max_concurrency=64)
-    items = [BatchItem(PROMPT, n=2, sampling=SamplingParams(max_new_tokens=48, ignore_eos=True, seed=i))
-             for i in range(12)]
+    items = [
+        BatchItem(PROMPT, n=2, sampling=SamplingParams(max_new_tokens=48, ignore_eos=True, seed=i))
+        for i in range(12)
+    ]
 
     async def go():
         vllm = vllm_server.client(max_concurrency=4)
@@ -245,6 +289,7 @@ def test_server_killed_mid_batch_requests_finish_elsewhere(vllm_server, tiny_mod
             await EnginePool([vllm]).generate(PROMPT, sampling=SamplingParams(max_new_tokens=2))
         await pool.close()
         return results, served, down, vllm.name
+
     results, served, down, vllm_name = run(go())
     assert all(len(r.samples) == 2 and all(len(s.token_ids) == 48 for s in r.samples) for r in results)
     assert served["embedded"] >= 1

@@ -1,9 +1,9 @@
 """A real Slurm cluster on one machine for the tests: munged + slurmctld + one slurmd per emulated node.
 
-Each emulated node is a network + UTS namespace (own hostname ``nodeN``, own IP on a private bridge) with its own
-slurmd, following /work/shared/notes/slurm-on-one-machine.md. Names, subnet and ports are chosen per session so two
-test sessions on one machine do not collide. When namespaces cannot be made (not root, no CAP_NET_ADMIN), the cluster
-falls back to a single node on loopback and says so in ``fallback_reason``.
+Each emulated node is a network + UTS namespace (own hostname ``nodeN``, own IP on a private bridge) with
+its own slurmd. Names, subnet and ports are chosen per session so two test sessions on one machine do not
+collide. When namespaces cannot be made (not root, no CAP_NET_ADMIN), the cluster falls back to a single
+node on loopback and says so in ``fallback_reason``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo", "munged", "mungekey")
+SLURM_BINARIES = (
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "squeue",
+    "scancel",
+    "sinfo",
+    "munged",
+    "mungekey",
+)
 NETNS_BINARIES = ("ip", "nsenter", "unshare", "mount")
 
 
@@ -49,7 +60,8 @@ class SlurmCluster:
 
     state_dir: Path
     n_nodes: int = 3
-    cpus_per_node: int = 8  # more than the machine has (config_overrides): jobs share nodes instead of queueing
+    # more than the machine has (config_overrides): jobs share nodes instead of queueing
+    cpus_per_node: int = 8
     node_names: list[str] = field(default_factory=list)
     node_addrs: dict[str, str] = field(default_factory=dict)
     fallback_reason: str | None = None
@@ -60,7 +72,7 @@ class SlurmCluster:
     _tag: str = ""
 
     # ---------------------------------------------------------------- start-up
-    def start(self) -> "SlurmCluster":
+    def start(self) -> SlurmCluster:
         """Start munged, slurmctld and the slurmds; return when every node is idle."""
         self._tag = f"{random.randrange(16**4):04x}"
         for sub in ("etc", "state", "log", "run", "munge", "spool"):
@@ -86,10 +98,24 @@ class SlurmCluster:
             (self.state_dir / "spool" / name).mkdir(exist_ok=True)
             if self._netns:
                 ns = self._netns[self.node_names.index(name)]
-                inner = (f"mount --bind {self.state_dir}/etc/hosts /etc/hosts && hostname {name} "
-                         f"&& exec slurmd -D -N {name}")
-                cmd = ["nsenter", f"--net=/run/netns/{ns}", "--", "unshare", "--uts", "--mount",
-                       "--propagation", "private", "--", "bash", "-c", inner]
+                inner = (
+                    f"mount --bind {self.state_dir}/etc/hosts /etc/hosts && hostname {name} "
+                    f"&& exec slurmd -D -N {name}"
+                )
+                cmd = [
+                    "nsenter",
+                    f"--net=/run/netns/{ns}",
+                    "--",
+                    "unshare",
+                    "--uts",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "--",
+                    "bash",
+                    "-c",
+                    inner,
+                ]
             else:
                 cmd = ["slurmd", "-D", "-N", name]
             self._spawn(cmd, f"slurmd-{name}")
@@ -98,15 +124,25 @@ class SlurmCluster:
 
     def _spawn(self, cmd: list[str], name: str) -> None:
         log = open(self.state_dir / "log" / f"{name}.out", "w")
-        self._procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True))
+        self._procs.append(
+            subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
 
     def _start_munge(self) -> None:
         m = self.state_dir / "munge"
         _run(["mungekey", "--create", f"--keyfile={m}/munge.key"])
-        self._spawn(["munged", "--foreground", f"--socket={m}/munge.sock", f"--key-file={m}/munge.key",
-                     f"--log-file={self.state_dir}/log/munged.log", f"--pid-file={self.state_dir}/run/munged.pid",
-                     f"--seed-file={m}/munged.seed"], "munged")
+        self._spawn(
+            [
+                "munged",
+                "--foreground",
+                f"--socket={m}/munge.sock",
+                f"--key-file={m}/munge.key",
+                f"--log-file={self.state_dir}/log/munged.log",
+                f"--pid-file={self.state_dir}/run/munged.pid",
+                f"--seed-file={m}/munged.seed",
+            ],
+            "munged",
+        )
         deadline = time.monotonic() + 10
         while not (m / "munge.sock").exists():
             if time.monotonic() > deadline or self._procs[-1].poll() is not None:
@@ -160,9 +196,11 @@ class SlurmCluster:
         lines = [
             "ClusterName=megarltest",
             f"SlurmctldHost=localhost({self.ctl_addr})",
-            "SlurmUser=root", "SlurmdUser=root",
+            "SlurmUser=root",
+            "SlurmdUser=root",
             f"SlurmctldPort={ctld_port}",
-            "AuthType=auth/munge", "CredType=cred/munge",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
             f"AuthInfo=socket={s}/munge/munge.sock,cred_expire=10",
             f"StateSaveLocation={s}/state",
             f"SlurmdSpoolDir={s}/spool/%n",
@@ -171,12 +209,19 @@ class SlurmCluster:
             f"SlurmctldLogFile={s}/log/slurmctld.log",
             f"SlurmdLogFile={s}/log/slurmd-%n.log",
             f"PlugStackConfig={s}/etc/plugstack.conf",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "MpiDefault=none", "ReturnToService=2",
-            "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
-            "JobCompType=jobcomp/none", "MailProg=/bin/true",
-            "SlurmdTimeout=30", "KillWait=5", "MinJobAge=300",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "JobCompType=jobcomp/none",
+            "MailProg=/bin/true",
+            "SlurmdTimeout=30",
+            "KillWait=5",
+            "MinJobAge=300",
             "SlurmdParameters=config_overrides",  # trust CPUs= below, not the 2 cores slurmd detects
         ]
         if self._netns:
@@ -184,9 +229,13 @@ class SlurmCluster:
         else:  # loopback: the slurmd port must be free in the one shared network namespace
             lines.append(f"SlurmdPort={_free_port()}")
         for name in self.node_names:
-            lines.append(f"NodeName={name} NodeAddr={self.node_addrs[name]} CPUs={self.cpus_per_node} "
-                         "RealMemory=4000 State=UNKNOWN")
-        lines.append(f"PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP")
+            lines.append(
+                f"NodeName={name} NodeAddr={self.node_addrs[name]} CPUs={self.cpus_per_node} "
+                "RealMemory=4000 State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP"
+        )
         (s / "etc" / "slurm.conf").write_text("\n".join(lines) + "\n")
 
     def _wait_idle(self, timeout: float) -> None:
@@ -196,8 +245,10 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             for p in self._procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"a Slurm daemon exited during start-up ({p.args[0]} rc={p.returncode}); "
-                                       f"logs in {self.state_dir}/log")
+                    raise RuntimeError(
+                        f"a Slurm daemon exited during start-up ({p.args[0]} rc={p.returncode}); "
+                        f"logs in {self.state_dir}/log"
+                    )
             r = _run(["sinfo", "-h", "-o", "%T %D"], check=False, env=self.env)
             last = r.stdout.strip() + r.stderr.strip()
             if last == want:
@@ -206,8 +257,14 @@ class SlurmCluster:
         raise RuntimeError(f"nodes not idle after {timeout}s (sinfo: {last!r}); logs in {self.state_dir}/log")
 
     # ---------------------------------------------------------------- client helpers
-    def cmd(self, *args: str, check: bool = True, timeout: float = 30, env: dict[str, str] | None = None,
-            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    def cmd(
+        self,
+        *args: str,
+        check: bool = True,
+        timeout: float = 30,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster (``env`` adds variables, e.g. for sbatch)."""
         return _run(list(args), check=check, env={**self.env, **(env or {})}, timeout=timeout, cwd=cwd)
 
@@ -235,7 +292,8 @@ class SlurmCluster:
 
     # ---------------------------------------------------------------- teardown
     def stop(self) -> None:
-        """Cancel jobs, stop the daemons, kill anything left in the namespaces, remove namespaces and links."""
+        """Cancel jobs, stop the daemons, kill anything left in the namespaces, remove namespaces and
+        links."""
         if self.env.get("SLURM_CONF") and Path(self.env["SLURM_CONF"]).exists():
             _run(["scancel", "--full", "--partition=debug"], check=False, env=self.env)
             deadline = time.monotonic() + 15

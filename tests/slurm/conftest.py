@@ -1,4 +1,5 @@
-"""Session fixture: a real Slurm cluster (munged, slurmctld, one slurmd per emulated node) for tests marked slurm."""
+"""Session fixture: a real Slurm cluster (munged, slurmctld, one slurmd per emulated node) for tests marked
+slurm."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def in_ci() -> bool:
 def _unavailable(reason: str) -> None:
     """In CI a missing Slurm is a failure, elsewhere a skip."""
     if in_ci():
-        pytest.fail(f"{reason} (CI=true: the Slurm tests must run; see tests/setup/30-slurm.sh)", pytrace=False)
+        pytest.fail(
+            f"{reason} (CI=true: the Slurm tests must run; see tests/setup/30-slurm.sh)", pytrace=False
+        )
     pytest.skip(reason)
 
 
@@ -32,7 +35,9 @@ def slurm_cluster():
     """A running test cluster; node1..node3 in network namespaces, or one loopback node as a loud fallback."""
     missing = missing_binaries(SLURM_BINARIES + NETNS_BINARIES)
     if missing:
-        _unavailable(f"Slurm not installed: missing {', '.join(missing)}; run `bash tests/setup/30-slurm.sh` as root")
+        _unavailable(
+            f"Slurm not installed: missing {', '.join(missing)}; run `bash tests/setup/30-slurm.sh` as root"
+        )
     if os.geteuid() != 0:
         _unavailable("the Slurm fixture runs slurmctld/slurmd as root; run the tests as root")
     state = Path(tempfile.mkdtemp(prefix="megarl-slurm-"))
@@ -45,7 +50,7 @@ def slurm_cluster():
     if cluster.fallback_reason:
         msg = f"SLURM FIXTURE FELL BACK TO ONE NODE: {cluster.fallback_reason}. Multi-node tests are skipped."
         _FALLBACK.append(msg)
-        warnings.warn(msg)
+        warnings.warn(msg, stacklevel=2)
         print(f"\n{'!' * 20} {msg} {'!' * 20}", flush=True)
     yield cluster
     cluster.stop()

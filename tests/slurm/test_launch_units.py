@@ -27,19 +27,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- host lists
-@pytest.mark.parametrize("text, hosts", [
-    ("node1", ["node1"]),
-    ("node[1-3]", ["node1", "node2", "node3"]),
-    ("gpu-a[008-010],cpu7", ["gpu-a008", "gpu-a009", "gpu-a010", "cpu7"]),
-    ("n[1,3-4],m[2]", ["n1", "n3", "n4", "m2"]),
-    ("r[1-2]-ib[0-1]", ["r1-ib0", "r1-ib1", "r2-ib0", "r2-ib1"]),
-])
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("node1", ["node1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        ("gpu-a[008-010],cpu7", ["gpu-a008", "gpu-a009", "gpu-a010", "cpu7"]),
+        ("n[1,3-4],m[2]", ["n1", "n3", "n4", "m2"]),
+        ("r[1-2]-ib[0-1]", ["r1-ib0", "r1-ib1", "r2-ib0", "r2-ib1"]),
+    ],
+)
 def test_expand_hostlist(text, hosts):
     assert expand_hostlist(text) == hosts
 
 
-@pytest.mark.parametrize("text, fragment", [("node[1-3", "unbalanced"), ("node[3-1]", "descending"),
-                                            ("node[a-b]", "bad range"), ("", "empty")])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [("node[1-3", "unbalanced"), ("node[3-1]", "descending"), ("node[a-b]", "bad range"), ("", "empty")],
+)
 def test_expand_hostlist_rejects(text, fragment):
     with pytest.raises(HostlistError, match=fragment):
         expand_hostlist(text)
@@ -47,16 +52,32 @@ def test_expand_hostlist_rejects(text, fragment):
 
 # ---------------------------------------------------------------- Slurm environment
 def test_read_slurm_task():
-    env = {"SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "node[1-3]", "SLURM_NODEID": "2", "SLURM_PROCID": "2",
-           "SLURM_NTASKS": "3", "SLURMD_NODENAME": "node3", "SLURM_RESTART_COUNT": "1", "SLURM_GPUS_ON_NODE": "8"}
+    env = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_STEP_NODELIST": "node[1-3]",
+        "SLURM_NODEID": "2",
+        "SLURM_PROCID": "2",
+        "SLURM_NTASKS": "3",
+        "SLURMD_NODENAME": "node3",
+        "SLURM_RESTART_COUNT": "1",
+        "SLURM_GPUS_ON_NODE": "8",
+    }
     t = read_slurm_task(env)
-    assert (t.job_id, t.nodes, t.node_name, t.n_nodes, t.restart_count, t.gpus_on_node) == \
-        ("42", ("node1", "node2", "node3"), "node3", 3, 1, 8)
+    assert (t.job_id, t.nodes, t.node_name, t.n_nodes, t.restart_count, t.gpus_on_node) == (
+        "42",
+        ("node1", "node2", "node3"),
+        "node3",
+        3,
+        1,
+        8,
+    )
     assert read_slurm_task(dict(env, SLURM_GPUS_ON_NODE="", CUDA_VISIBLE_DEVICES="0,1")).gpus_on_node == 2
 
 
-@pytest.mark.parametrize("drop, fragment", [("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST is not set"),
-                                            ("SLURM_NODEID", "SLURM_NODEID is not set")])
+@pytest.mark.parametrize(
+    "drop, fragment",
+    [("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST is not set"), ("SLURM_NODEID", "SLURM_NODEID is not set")],
+)
 def test_read_slurm_task_missing(drop, fragment):
     env = {"SLURM_STEP_NODELIST": "a,b", "SLURM_NODEID": "1"}
     del env[drop]
@@ -72,24 +93,40 @@ def test_read_slurm_task_nodeid_outside():
 # ---------------------------------------------------------------- layout check
 def test_check_layout_accepts_a_real_layout():
     # 4 learner nodes x 8 GPUs, TP=4 PP=2 -> DP=4, EP=8 over world/pp=16; 2 rollout nodes x 2 servers x 4 GPUs
-    layout = Layout(learner_nodes=4, rollout_nodes=2, procs_per_node=8, gpus_per_node=8, tp=4, pp=2, ep=8,
-                    servers_per_node=2, gpus_per_server=4)
+    layout = Layout(
+        learner_nodes=4,
+        rollout_nodes=2,
+        procs_per_node=8,
+        gpus_per_node=8,
+        tp=4,
+        pp=2,
+        ep=8,
+        servers_per_node=2,
+        gpus_per_server=4,
+    )
     check_layout(layout, allocated_nodes=6, visible_gpus=8)
     assert (layout.world_size, layout.dp, layout.n_servers) == (32, 4, 4)
 
 
-@pytest.mark.parametrize("kwargs, nodes, gpus, fragment", [
-    (dict(learner_nodes=2, procs_per_node=2, tp=3), 2, None, "not divisible by tp*pp*cp=3"),
-    (dict(learner_nodes=2, procs_per_node=4, tp=8), 2, None, "tp=8 must divide procs_per_node=4"),
-    (dict(learner_nodes=2, rollout_nodes=1), 2, None, "has 2 node(s) but the layout needs 3"),
-    (dict(learner_nodes=1, procs_per_node=8, ep=3), 1, None, "ep*etp=3*1 must divide world_size/pp=8"),
-    (dict(learner_nodes=1, procs_per_node=8, gpus_per_node=4), 1, None, "procs_per_node=8 learner ranks"),
-    (dict(learner_nodes=1, procs_per_node=8, gpus_per_node=8), 1, 4, "this node sees 4 GPU(s)"),
-    (dict(learner_nodes=1, rollout_nodes=1, gpus_per_node=8, servers_per_node=3, gpus_per_server=4), 2, None,
-     "servers_per_node=3 x gpus_per_server=4 exceeds gpus_per_node=8"),
-    (dict(learner_nodes=1, rollout_nodes=1, colocate=True), 2, None, "rollout_nodes must be 0"),
-    (dict(learner_nodes=1, tp=0), 1, None, "tp=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, nodes, gpus, fragment",
+    [
+        (dict(learner_nodes=2, procs_per_node=2, tp=3), 2, None, "not divisible by tp*pp*cp=3"),
+        (dict(learner_nodes=2, procs_per_node=4, tp=8), 2, None, "tp=8 must divide procs_per_node=4"),
+        (dict(learner_nodes=2, rollout_nodes=1), 2, None, "has 2 node(s) but the layout needs 3"),
+        (dict(learner_nodes=1, procs_per_node=8, ep=3), 1, None, "ep*etp=3*1 must divide world_size/pp=8"),
+        (dict(learner_nodes=1, procs_per_node=8, gpus_per_node=4), 1, None, "procs_per_node=8 learner ranks"),
+        (dict(learner_nodes=1, procs_per_node=8, gpus_per_node=8), 1, 4, "this node sees 4 GPU(s)"),
+        (
+            dict(learner_nodes=1, rollout_nodes=1, gpus_per_node=8, servers_per_node=3, gpus_per_server=4),
+            2,
+            None,
+            "servers_per_node=3 x gpus_per_server=4 exceeds gpus_per_node=8",
+        ),
+        (dict(learner_nodes=1, rollout_nodes=1, colocate=True), 2, None, "rollout_nodes must be 0"),
+        (dict(learner_nodes=1, tp=0), 1, None, "tp=0 must be >= 1"),
+    ],
+)
 def test_check_layout_rejects(kwargs, nodes, gpus, fragment):
     with pytest.raises(LayoutError) as err:
         check_layout(Layout(**kwargs), allocated_nodes=nodes, visible_gpus=gpus)
@@ -103,17 +140,26 @@ def test_assign_roles_split():
     assert [p.role for p in plans] == [Role.LEARNER, Role.LEARNER, Role.ROLLOUT]
     assert master_addr(plans) == "node1"
     env = learner_rank_env(plans[1], 1, layout, "node1", 29000)
-    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")} == \
-        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "NODE_RANK": "1", "MASTER_ADDR": "node1",
-         "MASTER_PORT": "29000"}
+    assert {
+        k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+    } == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "node1",
+        "MASTER_PORT": "29000",
+    }
     with pytest.raises(ValueError, match="node3 has role rollout"):
         learner_rank_env(plans[2], 0, layout, "node1", 29000)
 
 
 def test_assign_roles_colocated_and_errors():
     plans = assign_roles(["a", "b"], Layout(learner_nodes=2, colocate=True, procs_per_node=4))
-    assert [(p.role, p.first_rank, p.rollout_index) for p in plans] == [(Role.COLOCATED, 0, 0),
-                                                                        (Role.COLOCATED, 4, 1)]
+    assert [(p.role, p.first_rank, p.rollout_index) for p in plans] == [
+        (Role.COLOCATED, 0, 0),
+        (Role.COLOCATED, 4, 1),
+    ]
     with pytest.raises(LayoutError, match="duplicate node names"):
         assign_roles(["a", "a"], Layout(learner_nodes=2))
     with pytest.raises(LayoutError, match="needs 3"):
@@ -185,8 +231,14 @@ def test_rendezvous_gathers_and_names_missing_nodes(tmp_path):
 # ---------------------------------------------------------------- CLI
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEGARL_"))}
-    return subprocess.run([sys.executable, "-m", "megarl.launch", *args], capture_output=True, text=True,
-                          cwd=REPO, env={**base, **(env or {})}, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "megarl.launch", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**base, **(env or {})},
+        timeout=60,
+    )
 
 
 def test_cli_check_prints_plan():
@@ -212,18 +264,42 @@ def test_cli_fails_fast_with_clear_messages():
 
 # ---------------------------------------------------------------- distributed errors name rank and host
 def test_collective_timeout_names_rank_and_host(tmp_path):
-    """Rank 1 never joins the first all_reduce; rank 0 must fail within the configured timeout, naming itself."""
+    """Rank 1 never joins the first all_reduce; rank 0 must fail within the configured timeout, naming
+    itself."""
     from tests.slurm.cluster import _free_port
 
     port = str(_free_port())
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), MEGARL_NODE=f"host{rank}", MEGARL_DIST_TIMEOUT_S="4",
-                   MEGARL_DIST_BACKEND="gloo", PYTHONPATH=str(REPO))
-        procs.append(subprocess.Popen([sys.executable, "-m", "megarl.launch.selftest", "--hang-rank", "1",
-                                       "--ckpt-dir", str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MEGARL_NODE=f"host{rank}",
+            MEGARL_DIST_TIMEOUT_S="4",
+            MEGARL_DIST_BACKEND="gloo",
+            PYTHONPATH=str(REPO),
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "megarl.launch.selftest",
+                    "--hang-rank",
+                    "1",
+                    "--ckpt-dir",
+                    str(tmp_path),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         out, err = procs[0].communicate(timeout=90)
     finally:
@@ -235,10 +311,22 @@ def test_collective_timeout_names_rank_and_host(tmp_path):
 
 # ---------------------------------------------------------------- launcher decisions without Slurm
 def _learner_of_two(tmp_path: Path) -> NodeLauncher:
-    task = SlurmTask(job_id="1", nodes=("a", "b"), node_id=0, proc_id=0, n_tasks=2, hostname="a", restart_count=0,
-                     gpus_on_node=None)
-    opts = LaunchOptions(layout=Layout(learner_nodes=1, rollout_nodes=1), run_dir=tmp_path, learner_cmd=["true"],
-                         rollout_startup_timeout_s=20)
+    task = SlurmTask(
+        job_id="1",
+        nodes=("a", "b"),
+        node_id=0,
+        proc_id=0,
+        n_tasks=2,
+        hostname="a",
+        restart_count=0,
+        gpus_on_node=None,
+    )
+    opts = LaunchOptions(
+        layout=Layout(learner_nodes=1, rollout_nodes=1),
+        run_dir=tmp_path,
+        learner_cmd=["true"],
+        rollout_startup_timeout_s=20,
+    )
     return NodeLauncher(task, opts, log=io.StringIO())
 
 
@@ -266,6 +354,11 @@ def test_stop_while_waiting_for_rollout_requeues_unless_a_peer_failed(tmp_path):
 
 def test_rollout_node_dead_before_publishing_is_named(tmp_path):
     launcher = _learner_of_two(tmp_path)
-    Rendezvous(tmp_path, "1", 0).mark_dead("b", "rollout server 0 on b (port 8000) exited with code 1 during start-up")
+    Rendezvous(tmp_path, "1", 0).mark_dead(
+        "b", "rollout server 0 on b (port 8000) exited with code 1 during start-up"
+    )
     assert launcher.run() == 1
-    assert "ERROR rollout node(s) died before publishing: b: rollout server 0 on b" in launcher._log_stream.getvalue()
+    assert (
+        "ERROR rollout node(s) died before publishing: b: rollout server 0 on b"
+        in launcher._log_stream.getvalue()
+    )

@@ -1,10 +1,11 @@
-"""The sbatch templates under a real Slurm (Debian slurm-wlm): node1/node2 learner ranks over gloo, node3 a rollout
-server, requeue + resume, a rollout node cut off the network, fail-fast config errors, the proxy template.
+"""The sbatch templates under a real Slurm (Debian slurm-wlm): node1/node2 learner ranks over gloo, node3 a
+rollout server, requeue + resume, a rollout node cut off the network, fail-fast config errors, the proxy
+template.
 
-The jobs that need no interaction are submitted together (module fixture) and run while the requeue test drives
-its own job, so the whole file stays within its CI budget. The learner workload is megarl.launch.selftest (the
-trainer, issue 6, does not exist yet); the rollout server is megarl.launch.standin_server (a vLLM server does not
-start within this budget).
+The jobs that need no interaction are submitted together (module fixture) and run while the requeue test
+drives its own job, so the whole file stays within its CI budget. The learner workload is
+megarl.launch.selftest (small and fast to start); the rollout server is megarl.launch.standin_server (a vLLM
+server does not start within this budget).
 """
 
 from __future__ import annotations
@@ -42,14 +43,30 @@ class Job:
         return self.out.read_text() if self.out.exists() else ""
 
 
-def submit(cluster: SlurmCluster, template: str, work: Path, name: str, sbatch_args: list[str],
-           env: dict[str, str]) -> Job:
+def submit(
+    cluster: SlurmCluster, template: str, work: Path, name: str, sbatch_args: list[str], env: dict[str, str]
+) -> Job:
     """sbatch a template from slurm/ with MEGARL_* variables in the exported environment."""
     out, run_dir = work / f"{name}.out", work / f"{name}-run"
-    full_env = {"MEGARL_PYTHON": PY, "MEGARL_RUN_DIR": str(run_dir), "PYTHONPATH": str(REPO),
-                "MEGARL_DIST_TIMEOUT": "60", **env}
-    r = cluster.cmd("sbatch", "--parsable", f"--output={out}", f"--job-name={name}", "--time=10",
-                    "--signal=B:USR1@5", *sbatch_args, str(REPO / "slurm" / template), env=full_env, cwd=work)
+    full_env = {
+        "MEGARL_PYTHON": PY,
+        "MEGARL_RUN_DIR": str(run_dir),
+        "PYTHONPATH": str(REPO),
+        "MEGARL_DIST_TIMEOUT": "60",
+        **env,
+    }
+    r = cluster.cmd(
+        "sbatch",
+        "--parsable",
+        f"--output={out}",
+        f"--job-name={name}",
+        "--time=10",
+        "--signal=B:USR1@5",
+        *sbatch_args,
+        str(REPO / "slurm" / template),
+        env=full_env,
+        cwd=work,
+    )
     return Job(r.stdout.strip().split(";")[0], out, run_dir)
 
 
@@ -60,8 +77,9 @@ def wait_state(cluster: SlurmCluster, job: Job, states: tuple[str, ...], timeout
         if info["JobState"] in states:
             return info
         if time.monotonic() > deadline:
-            raise AssertionError(f"job {job.id} is {info['JobState']} after {timeout}s, wanted {states}; "
-                                 f"output:\n{job.text()}")
+            raise AssertionError(
+                f"job {job.id} is {info['JobState']} after {timeout}s, wanted {states}; output:\n{job.text()}"
+            )
         time.sleep(0.3)
 
 
@@ -72,7 +90,9 @@ def wait_text(job: Job, pattern: str, timeout: float) -> re.Match:
         if m:
             return m
         if time.monotonic() > deadline:
-            raise AssertionError(f"{pattern!r} not in the output of job {job.id} after {timeout}s:\n{job.text()}")
+            raise AssertionError(
+                f"{pattern!r} not in the output of job {job.id} after {timeout}s:\n{job.text()}"
+            )
         time.sleep(0.3)
 
 
@@ -96,35 +116,88 @@ def jobs(slurm_cluster: SlurmCluster, work: Path) -> dict[str, Job]:
     c, multi = slurm_cluster, len(slurm_cluster.node_names) >= 3
     jobs = {}
     if multi:
-        jobs["multi"] = submit(c, "multi_node.sbatch", work, "multi", ["--nodes=3"], {
-            "MEGARL_LEARNER_NODES": "2", "MEGARL_PROCS_PER_NODE": "2", "MEGARL_ROLLOUT_PORT": "18100",
-            "MEGARL_ROLLOUT_CMD": STANDIN, "MEGARL_LEARNER_CMD": f"{SELFTEST} --steps 3"})
-        jobs["bad_tp"] = submit(c, "multi_node.sbatch", work, "bad_tp", ["--nodes=3"], {
-            "MEGARL_LEARNER_NODES": "2", "MEGARL_PROCS_PER_NODE": "2", "MEGARL_TP": "4",
-            "MEGARL_ROLLOUT_CMD": STANDIN, "MEGARL_LEARNER_CMD": "true"})
-        jobs["bad_nodes"] = submit(c, "multi_node.sbatch", work, "bad_nodes", ["--nodes=2"], {
-            "MEGARL_LEARNER_NODES": "2", "MEGARL_ROLLOUT_NODES": "1", "MEGARL_ROLLOUT_CMD": STANDIN,
-            "MEGARL_LEARNER_CMD": "true"})
-    jobs["proxy"] = submit(c, "proxy_repro.sbatch", work, "proxy", ["--nodes=1"], {
-        "MEGARL_LEARNER_CMD": "printenv RANK WORLD_SIZE LOCAL_RANK CUBLAS_WORKSPACE_CONFIG NCCL_ALGO "
-                              "MEGARL_DIST_TIMEOUT_S", "MEGARL_DIST_TIMEOUT": ""})  # "": the template's default
+        jobs["multi"] = submit(
+            c,
+            "multi_node.sbatch",
+            work,
+            "multi",
+            ["--nodes=3"],
+            {
+                "MEGARL_LEARNER_NODES": "2",
+                "MEGARL_PROCS_PER_NODE": "2",
+                "MEGARL_ROLLOUT_PORT": "18100",
+                "MEGARL_ROLLOUT_CMD": STANDIN,
+                "MEGARL_LEARNER_CMD": f"{SELFTEST} --steps 3",
+            },
+        )
+        jobs["bad_tp"] = submit(
+            c,
+            "multi_node.sbatch",
+            work,
+            "bad_tp",
+            ["--nodes=3"],
+            {
+                "MEGARL_LEARNER_NODES": "2",
+                "MEGARL_PROCS_PER_NODE": "2",
+                "MEGARL_TP": "4",
+                "MEGARL_ROLLOUT_CMD": STANDIN,
+                "MEGARL_LEARNER_CMD": "true",
+            },
+        )
+        jobs["bad_nodes"] = submit(
+            c,
+            "multi_node.sbatch",
+            work,
+            "bad_nodes",
+            ["--nodes=2"],
+            {
+                "MEGARL_LEARNER_NODES": "2",
+                "MEGARL_ROLLOUT_NODES": "1",
+                "MEGARL_ROLLOUT_CMD": STANDIN,
+                "MEGARL_LEARNER_CMD": "true",
+            },
+        )
+    jobs["proxy"] = submit(
+        c,
+        "proxy_repro.sbatch",
+        work,
+        "proxy",
+        ["--nodes=1"],
+        {
+            "MEGARL_LEARNER_CMD": "printenv RANK WORLD_SIZE LOCAL_RANK CUBLAS_WORKSPACE_CONFIG NCCL_ALGO "
+            "MEGARL_DIST_TIMEOUT_S",
+            "MEGARL_DIST_TIMEOUT": "",
+        },
+    )  # "": the template's default
     return jobs
 
 
 def test_requeue_resumes_from_checkpoint(slurm_cluster: SlurmCluster, work: Path, jobs):
     """one_node template (learner ranks + rollout server colocated), interrupted twice:
-    attempt 0 gets SIGUSR1 in the batch script (what --signal=B:USR1@N sends) -> checkpoint -> exit 99 -> requeue;
-    attempt 1 gets an external `scontrol requeue` (SIGTERM to every process) -> checkpoint within KillWait;
-    attempt 2 resumes and finishes. The final weights must equal an uninterrupted run's bit for bit.
+    attempt 0 gets SIGUSR1 in the batch script (what --signal=B:USR1@N sends) -> checkpoint -> exit 99 ->
+    requeue; attempt 1 gets an external `scontrol requeue` (SIGTERM to every process) -> checkpoint within
+    KillWait; attempt 2 resumes and finishes. The final weights must equal an uninterrupted run's bit for bit.
     """
     c, steps = slurm_cluster, 7
-    job = submit(c, "one_node.sbatch", work, "requeue", ["--nodes=1"], {
-        "MEGARL_PROCS_PER_NODE": "2", "MEGARL_ROLLOUT_PORT": "18200", "MEGARL_ROLLOUT_CMD": STANDIN,
-        "MEGARL_LEARNER_CMD": f"{SELFTEST} --steps {steps} --step-sleep 1"})
+    job = submit(
+        c,
+        "one_node.sbatch",
+        work,
+        "requeue",
+        ["--nodes=1"],
+        {
+            "MEGARL_PROCS_PER_NODE": "2",
+            "MEGARL_ROLLOUT_PORT": "18200",
+            "MEGARL_ROLLOUT_CMD": STANDIN,
+            "MEGARL_LEARNER_CMD": f"{SELFTEST} --steps {steps} --step-sleep 1",
+        },
+    )
     marker = f"megarl: job {job.id} restart "
 
     def attempt(i: int) -> str:
-        return job.text().split(marker + f"{i} ")[1].split(marker)[0] if marker + f"{i} " in job.text() else ""
+        return (
+            job.text().split(marker + f"{i} ")[1].split(marker)[0] if marker + f"{i} " in job.text() else ""
+        )
 
     def restart(i: int) -> None:
         info = wait_state(c, job, ("PENDING",) + FINAL, timeout=60)
@@ -165,7 +238,8 @@ def test_requeue_resumes_from_checkpoint(slurm_cluster: SlurmCluster, work: Path
 
 
 def test_multi_node_roles_ranks_and_rollout_handover(slurm_cluster: SlurmCluster, jobs):
-    """multi_node template on node1..node3: learner ranks 0-3 on node1/node2 over gloo, rollout server on node3."""
+    """multi_node template on node1..node3: learner ranks 0-3 on node1/node2 over gloo, rollout server on
+    node3."""
     need_nodes(slurm_cluster, 3)
     job = jobs["multi"]
     info = wait_state(slurm_cluster, job, FINAL, timeout=150)
@@ -174,26 +248,34 @@ def test_multi_node_roles_ranks_and_rollout_handover(slurm_cluster: SlurmCluster
     for node, role in (("node1", "learner"), ("node2", "learner"), ("node3", "rollout")):
         assert f"[megarl.launch {node}] role={role} " in text
     for rank, local, host in ((0, 0, "node1"), (1, 1, "node1"), (2, 0, "node2"), (3, 1, "node2")):
-        assert f"selftest: rank={rank} local_rank={local} world=4 host={host} node={host} master=node1:" in text
+        assert (
+            f"selftest: rank={rank} local_rank={local} world=4 host={host} node={host} master=node1:" in text
+        )
     assert "all_reduce ok sum=10 world=4 hosts=node1,node1,node2,node2" in text
     assert "rollout server http://node3:18100 answered host=node3" in text
     assert "selftest: done steps=3" in text
     assert "[megarl.launch node3] learner state 'done': stopping rollout servers" in text
-    addresses = (job.run_dir / "rendezvous" / f"job-{job.id}" / "attempt-0" / "rollout_addresses.json").read_text()
+    addresses = (
+        job.run_dir / "rendezvous" / f"job-{job.id}" / "attempt-0" / "rollout_addresses.json"
+    ).read_text()
     assert '"url": "http://node3:18100"' in addresses
     assert (job.run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
 
 
 def test_config_errors_fail_fast_on_every_node(slurm_cluster: SlurmCluster, jobs):
     need_nodes(slurm_cluster, 3)
-    for name, message in (("bad_tp", "tp=4 must divide procs_per_node=2"),
-                          ("bad_nodes", "the job step has 2 node(s) but the layout needs 3")):
+    for name, message in (
+        ("bad_tp", "tp=4 must divide procs_per_node=2"),
+        ("bad_nodes", "the job step has 2 node(s) but the layout needs 3"),
+    ):
         job = jobs[name]
         info = wait_state(slurm_cluster, job, FINAL, timeout=60)
         text = job.text()
         # exit code 2 from the node that failed first; srun --kill-on-bad-exit may SIGTERM the others first
         assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", text
-        assert re.search(r"\[megarl.launch node\d\] ERROR config check failed: .*" + re.escape(message), text), text
+        assert re.search(
+            r"\[megarl.launch node\d\] ERROR config check failed: .*" + re.escape(message), text
+        ), text
         assert "starting" not in text  # nothing was launched
 
 
@@ -201,15 +283,31 @@ def test_rollout_node_cut_off_is_named(slurm_cluster: SlurmCluster, work: Path, 
     """node3 (rollout) loses its network mid-run: learner node1's health check names it and fails the job."""
     need_nodes(slurm_cluster, 3)
     c = slurm_cluster
-    job = submit(c, "multi_node.sbatch", work, "netcut", ["--nodes=3"], {
-        "MEGARL_LEARNER_NODES": "2", "MEGARL_ROLLOUT_PORT": "18300", "MEGARL_ROLLOUT_CMD": STANDIN,
-        "MEGARL_LEARNER_CMD": "sleep 300", "MEGARL_HEALTH_INTERVAL": "0.5", "MEGARL_HEALTH_TIMEOUT": "1",
-        "MEGARL_HEALTH_FAILURES": "2"})
+    job = submit(
+        c,
+        "multi_node.sbatch",
+        work,
+        "netcut",
+        ["--nodes=3"],
+        {
+            "MEGARL_LEARNER_NODES": "2",
+            "MEGARL_ROLLOUT_PORT": "18300",
+            "MEGARL_ROLLOUT_CMD": STANDIN,
+            "MEGARL_LEARNER_CMD": "sleep 300",
+            "MEGARL_HEALTH_INTERVAL": "0.5",
+            "MEGARL_HEALTH_TIMEOUT": "1",
+            "MEGARL_HEALTH_FAILURES": "2",
+        },
+    )
     try:
         wait_text(job, r"\[megarl.launch node1\] starting 1 learner rank", timeout=60)
         c.set_link("node3", up=False)
-        wait_text(job, r"\[megarl.launch node1\] ERROR rollout node node3 died: server http://node3:18300 "
-                       r"stopped answering /health", timeout=30)
+        wait_text(
+            job,
+            r"\[megarl.launch node1\] ERROR rollout node node3 died: server http://node3:18300 "
+            r"stopped answering /health",
+            timeout=30,
+        )
     finally:
         c.set_link("node3", up=True)
     info = wait_state(c, job, FINAL, timeout=60)
@@ -219,12 +317,23 @@ def test_rollout_node_cut_off_is_named(slurm_cluster: SlurmCluster, work: Path, 
 
 
 def test_rollout_server_exit_is_named(slurm_cluster: SlurmCluster, work: Path, jobs):
-    """The rollout server process on node3 dies (kill -9): node3 reports it, node1 fails the job naming node3."""
+    """The rollout server process on node3 dies (kill -9): node3 reports it, node1 fails the job naming
+    node3."""
     need_nodes(slurm_cluster, 3)
     c = slurm_cluster
-    job = submit(c, "multi_node.sbatch", work, "srvdeath", ["--nodes=3"], {
-        "MEGARL_LEARNER_NODES": "2", "MEGARL_ROLLOUT_PORT": "18400", "MEGARL_ROLLOUT_CMD": STANDIN,
-        "MEGARL_LEARNER_CMD": "sleep 300"})
+    job = submit(
+        c,
+        "multi_node.sbatch",
+        work,
+        "srvdeath",
+        ["--nodes=3"],
+        {
+            "MEGARL_LEARNER_NODES": "2",
+            "MEGARL_ROLLOUT_PORT": "18400",
+            "MEGARL_ROLLOUT_CMD": STANDIN,
+            "MEGARL_LEARNER_CMD": "sleep 300",
+        },
+    )
     wait_text(job, r"\[megarl.launch node1\] starting 1 learner rank", timeout=60)
     pids = c.cmd("ip", "netns", "pids", c.netns_of("node3")).stdout.split()
     killed = 0
@@ -240,15 +349,17 @@ def test_rollout_server_exit_is_named(slurm_cluster: SlurmCluster, work: Path, j
     info = wait_state(c, job, FINAL, timeout=60)
     text = job.text()
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", text
-    assert "[megarl.launch node3] ERROR rollout node node3 lost its rollout server 0 on node3 (port 18400): " \
-           "exited with code -9" in text
+    assert (
+        "[megarl.launch node3] ERROR rollout node node3 lost its rollout server 0 on node3 (port 18400): "
+        "exited with code -9" in text
+    )
     assert "[megarl.launch node1] ERROR rollout node node3 died: " in text
     assert "requeueing" not in text
 
 
 def test_proxy_template_runs_learner_only(slurm_cluster: SlurmCluster, jobs):
-    """proxy_repro template with its command replaced (`megarl proxy replay` is issue 5's): the learner rank gets
-    the torch.distributed variables, the template's determinism switches and its 600 s collective timeout."""
+    """proxy_repro template with its command replaced (by a printenv): the learner rank gets the
+    torch.distributed variables, the template's determinism switches and its 600 s collective timeout."""
     job = jobs["proxy"]
     info = wait_state(slurm_cluster, job, FINAL, timeout=120)
     text = job.text()

@@ -7,8 +7,7 @@ from megarl.batch import BatchValidationError, from_sequences, validate_groups
 
 
 def good():
-    return from_sequences([[1, 2], [1, 2], [3]], [[4, 5, 6], [7], [8, 9]], [0, 0, 1],
-                          rewards=[1.0, 0.0, 1.0])
+    return from_sequences([[1, 2], [1, 2], [3]], [[4, 5, 6], [7], [8, 9]], [0, 0, 1], rewards=[1.0, 0.0, 1.0])
 
 
 def test_good_batch_passes():
@@ -18,18 +17,25 @@ def test_good_batch_passes():
     validate_groups(b)
 
 
-@pytest.mark.parametrize("mutate, field, seq", [
-    (lambda b: setattr(b, "rewards", torch.tensor([1.0, float("nan"), 0.0])), "rewards", 1),
-    (lambda b: setattr(b, "rewards", torch.tensor([1.0, 0.0])), "rewards", None),
-    (lambda b: setattr(b, "loss_mask", torch.ones(11)), "loss_mask", 0),
-    (lambda b: setattr(b, "old_logprobs", torch.zeros(10)), "old_logprobs", None),
-    (lambda b: setattr(b, "advantages", torch.tensor([0.0] * 9 + [float("inf"), 0.0])), "advantages", 2),
-    (lambda b: setattr(b, "rollout_logprobs", torch.tensor([0.0] * 3 + [0.5] + [0.0] * 7)), "rollout_logprobs", 0),
-    (lambda b: setattr(b, "cu_seqlens", torch.tensor([0, 5, 6, 12])), "cu_seqlens", None),
-    (lambda b: setattr(b, "prompt_lens", torch.tensor([2, 9, 1])), "prompt_lens", 1),
-    (lambda b: setattr(b, "turn_spans", [[(0, 5, "a")], [(0, 9, "a")], []]), "turn_spans", 1),
-    (lambda b: setattr(b, "tokens", b.tokens.float()), "tokens", None),
-])
+@pytest.mark.parametrize(
+    "mutate, field, seq",
+    [
+        (lambda b: setattr(b, "rewards", torch.tensor([1.0, float("nan"), 0.0])), "rewards", 1),
+        (lambda b: setattr(b, "rewards", torch.tensor([1.0, 0.0])), "rewards", None),
+        (lambda b: setattr(b, "loss_mask", torch.ones(11)), "loss_mask", 0),
+        (lambda b: setattr(b, "old_logprobs", torch.zeros(10)), "old_logprobs", None),
+        (lambda b: setattr(b, "advantages", torch.tensor([0.0] * 9 + [float("inf"), 0.0])), "advantages", 2),
+        (
+            lambda b: setattr(b, "rollout_logprobs", torch.tensor([0.0] * 3 + [0.5] + [0.0] * 7)),
+            "rollout_logprobs",
+            0,
+        ),
+        (lambda b: setattr(b, "cu_seqlens", torch.tensor([0, 5, 6, 12])), "cu_seqlens", None),
+        (lambda b: setattr(b, "prompt_lens", torch.tensor([2, 9, 1])), "prompt_lens", 1),
+        (lambda b: setattr(b, "turn_spans", [[(0, 5, "a")], [(0, 9, "a")], []]), "turn_spans", 1),
+        (lambda b: setattr(b, "tokens", b.tokens.float()), "tokens", None),
+    ],
+)
 def test_bad_field_is_named(mutate, field, seq):
     b = good()
     mutate(b)

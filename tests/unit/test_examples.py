@@ -35,7 +35,9 @@ def test_example_builds_and_matches_reference(path):
         ref_loss, ref_grad = reference_loss_and_grad(case)
         loss, grad = megarl_loss_and_grad(case, tp=2, micro_batches=2)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_loss.abs())))
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_grad.abs().max())))
+        torch.testing.assert_close(
+            grad, ref_grad, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_grad.abs().max()))
+        )
 
     check()
 

@@ -20,8 +20,9 @@ def _grad_of(loss_name, logp, old, adv, **kw):
     lp = torch.tensor([logp], dtype=torch.float64, requires_grad=True)
     one = torch.ones(1, dtype=torch.float64)
     cu = torch.tensor([0, 1])
-    loss = POLICY_LOSSES.get(loss_name)(lp, torch.tensor([old], dtype=torch.float64),
-                                        torch.tensor([adv], dtype=torch.float64), one, cu, **kw)
+    loss = POLICY_LOSSES.get(loss_name)(
+        lp, torch.tensor([old], dtype=torch.float64), torch.tensor([adv], dtype=torch.float64), one, cu, **kw
+    )
     loss.sum().backward()
     return float(lp.grad)
 
@@ -46,8 +47,13 @@ def test_ppo_gradient_is_zero_outside_the_clip_region_in_the_advantage_direction
 @given(st.floats(-5, -0.01), st.floats(-2, 2), st.floats(0.05, 3))
 def test_dual_clip_bounds_the_negative_advantage_loss(old, delta, a):
     lp = torch.tensor([old + delta], dtype=torch.float64)
-    args = (lp, torch.tensor([old], dtype=torch.float64), torch.tensor([-a], dtype=torch.float64),
-            torch.ones(1), torch.tensor([0, 1]))
+    args = (
+        lp,
+        torch.tensor([old], dtype=torch.float64),
+        torch.tensor([-a], dtype=torch.float64),
+        torch.ones(1),
+        torch.tensor([0, 1]),
+    )
     loss = POLICY_LOSSES.get("ppo")(*args, 0.2, 0.28, 3.0)
     assert float(loss) <= 3.0 * a + 1e-12
 
@@ -85,7 +91,9 @@ def test_k3_value_with_k2_gradient(vals):
 
 @given(st.integers(1, 5), st.integers(1, 6), st.lists(floats, min_size=30, max_size=30))
 def test_aggregation_modes_agree_on_uniform_lengths(B, n, vals):
-    loss = torch.tensor(vals[: B * n]).reshape(B, n) if B * n <= 30 else torch.randn(B, n, dtype=torch.float64)
+    loss = (
+        torch.tensor(vals[: B * n]).reshape(B, n) if B * n <= 30 else torch.randn(B, n, dtype=torch.float64)
+    )
     mask = torch.ones(B, n)
     tm = ragg.aggregate(loss, mask, "token-mean")
     torch.testing.assert_close(ragg.aggregate(loss, mask, "seq-mean-token-mean"), tm)
@@ -113,5 +121,7 @@ def test_gspo_with_one_token_per_sequence_equals_ppo():
     g = torch.Generator().manual_seed(0)
     lp, old, adv = (torch.randn(6, generator=g, dtype=torch.float64) - 2 for _ in range(3))
     cu, m = torch.arange(7), torch.ones(6, dtype=torch.float64)
-    torch.testing.assert_close(POLICY_LOSSES.get("gspo")(lp, old, adv, m, cu, 0.2, 0.28),
-                               POLICY_LOSSES.get("ppo")(lp, old, adv, m, cu, 0.2, 0.28))
+    torch.testing.assert_close(
+        POLICY_LOSSES.get("gspo")(lp, old, adv, m, cu, 0.2, 0.28),
+        POLICY_LOSSES.get("ppo")(lp, old, adv, m, cu, 0.2, 0.28),
+    )
