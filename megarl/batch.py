@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -150,7 +151,7 @@ class PaddedBatch:
     attention_mask: torch.Tensor  # [B, L] bool
     loss_mask: torch.Tensor  # [B, L] float (0 on padding)
     per_token: dict[str, torch.Tensor]  # name -> [B, L] (0 on padding)
-    per_seq: dict[str, object]  # the PackedBatch per-sequence fields, unchanged
+    per_seq: dict[str, Any]  # the PackedBatch per-sequence fields, unchanged
 
 
 # --------------------------------------------------------------------------------- conversions
@@ -221,7 +222,7 @@ def from_sequences(
         lens.append(len(p) + len(r))
     cu = torch.zeros(len(lens) + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
-    conv = {
+    conv: dict[str, Any] = {
         k: (torch.as_tensor(v) if not isinstance(v, (torch.Tensor, type(None))) and k != "turn_spans" else v)
         for k, v in per_seq.items()
     }

@@ -16,7 +16,7 @@ Logits must be finite.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -43,6 +43,14 @@ def _vocab_range(logits: torch.Tensor, group: Any) -> tuple[int, int]:
     return start, start + v
 
 
+@overload
+def _global_lse(
+    local_max: torch.Tensor, partial: torch.Tensor, group: Any, unscaled: None = None
+) -> tuple[torch.Tensor, torch.Tensor, None]: ...
+@overload
+def _global_lse(
+    local_max: torch.Tensor, partial: torch.Tensor, group: Any, unscaled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 def _global_lse(
     local_max: torch.Tensor, partial: torch.Tensor, group: Any, unscaled: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -107,12 +115,12 @@ class _LogprobEntropy(torch.autograd.Function):
         # is written), so backward allocates nothing of size [T, V/tp]
         grad = logits if ctx.inplace else torch.empty_like(logits)
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.to(acc)
-        use_ent = ctx.with_entropy and g_ent is not None
+        g_ent = g_ent if ctx.with_entropy else None
         for s, e in _chunks(logits.shape[0], ctx.chunk, logits.shape[-1]):
             z = logits[s:e].to(acc)
             p = torch.exp(z - lse[s:e].unsqueeze(-1))
             g = p * (-g_logp[s:e]).unsqueeze(-1)
-            if use_ent:
+            if g_ent is not None:
                 # dH/dz_j = -p_j (z_j - Σ_v p_v z_v)
                 g -= p * (z - spz[s:e].unsqueeze(-1)) * g_ent[s:e].to(acc).unsqueeze(-1)
             hit = in_shard[s:e]
