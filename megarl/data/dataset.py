@@ -53,7 +53,7 @@ def _records(path: str) -> Iterator[tuple[str, Any]]:
             table = pq.read_table(path)
         except ImportError:
             raise DataError(f"{path}: reading parquet needs the pyarrow package") from None
-        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a broken file
+        except Exception as e:  # pyarrow raises several types for a broken file
             raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
         for i, rec in enumerate(table.to_pylist()):
             yield f"{path}: row {i}", rec
@@ -144,7 +144,7 @@ def load_prompt_rows(
             if chat is not None:
                 try:
                     text = chat(text)
-                except Exception as e:  # noqa: BLE001 - a template error is this row's problem
+                except Exception as e:  # a template error is this row's problem
                     report(where, f"the chat template failed: {type(e).__name__}: {e}")
                     continue
             if check_prompt is not None:

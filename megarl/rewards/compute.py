@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from megarl.rewards.builtin import exact_match, regex_match
-from megarl.rewards.sandbox import ContainedFunction
+from megarl.rewards.sandbox import ContainedFunction, check_reward_value, failure_kind
 
 
 @dataclass
 class RewardResult:
-    """``scalar``: [B] weighted sum; ``dims``: name -> [B]; counts of contained failures."""
+    """``scalar``: [B] weighted sum; ``dims``: name -> [B]; counts of contained failures: ``errors``
+    (the function raised, or returned a non-number or a value not finite in float32),
+    ``timeouts``, ``worker_deaths`` (the worker process exited or was killed during a call)."""
 
     scalar: torch.Tensor
     dims: dict[str, torch.Tensor]
     errors: int = 0
     timeouts: int = 0
+    worker_deaths: int = 0
     failures: list[str] = field(default_factory=list)  # first few failure messages
 
 
@@ -38,8 +41,10 @@ class RewardComputer:
                 import importlib.util
 
                 if importlib.util.find_spec("math_verify") is None:
-                    raise ValueError(f"reward {f.name!r}: kind 'math_verify' needs the math-verify package "
-                                     "(pip install math-verify)")
+                    raise ValueError(
+                        f"reward {f.name!r}: kind 'math_verify' needs the math-verify package "
+                        "(pip install math-verify)"
+                    )
                 fn = ContainedFunction("megarl.rewards.math:math_verify_reward", f.kwargs, cfg.timeout_s)
             else:
                 fn = ContainedFunction(f.function, f.kwargs, cfg.timeout_s)
@@ -52,7 +57,7 @@ class RewardComputer:
     def __call__(self, responses: list[str], answers: list[str]) -> RewardResult:
         B = len(responses)
         dims: dict[str, torch.Tensor] = {}
-        errors = timeouts = 0
+        counts = {"error": 0, "timeout": 0, "worker_death": 0}
         failures: list[str] = []
         scalar = torch.zeros(B, dtype=torch.float32)
         for name, weight, fn in self._fns:
@@ -61,19 +66,23 @@ class RewardComputer:
                 if isinstance(fn, ContainedFunction):
                     v, why = fn.call(r, a)
                 else:
-                    v, why = float(fn(r, a)), None
+                    v, why = check_reward_value(fn(r, a))
                 if v is None:
                     v = self.cfg.fallback
-                    if why == "timeout":
-                        timeouts += 1
-                    else:
-                        errors += 1
+                    counts[failure_kind(why or "error")] += 1
                     if len(failures) < 5:
                         failures.append(f"reward {name!r}, sample {i}: {why}")
                 vals[i] = v
             dims[name] = vals
             scalar += weight * vals
-        return RewardResult(scalar=scalar, dims=dims, errors=errors, timeouts=timeouts, failures=failures)
+        return RewardResult(
+            scalar=scalar,
+            dims=dims,
+            errors=counts["error"],
+            timeouts=counts["timeout"],
+            worker_deaths=counts["worker_death"],
+            failures=failures,
+        )
 
     def close(self) -> None:
         """Stop the worker processes of contained functions."""
