@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from typing import Iterator, Optional
 
 import torch
@@ -268,13 +269,22 @@ def iter_hf_buckets(model: torch.nn.Module, groups: ParallelGroups,
         yield bucket
 
 
+def _remove_stale_temp(tmp: str) -> None:
+    """Remove ``tmp`` (file, link or directory), the leftover of an export killed before its rename."""
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        shutil.rmtree(tmp)
+    elif os.path.lexists(tmp):
+        os.remove(tmp)
+
+
 def save_hf_checkpoint(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | os.PathLike,
                        hf_config: Optional[dict] = None, bucket_bytes: int = 512 * 2**20,
                        writer_rank: int = 0) -> Optional[dict[str, str]]:
     """Write the model as HF safetensors shards (one file per bucket) + index (+ config.json).
 
     Collective. Rank ``writer_rank`` writes into a temporary sibling directory, then renames it to
-    ``out_dir`` (which must not exist), so readers never see a half-written checkpoint.
+    ``out_dir`` (which must not exist), so readers never see a half-written checkpoint. A
+    temporary directory left by an export that was killed is stale: it is removed first.
     Returns the weight map on the writer rank, None elsewhere.
     """
     from safetensors.torch import save_file
@@ -285,6 +295,7 @@ def save_hf_checkpoint(model: torch.nn.Module, groups: ParallelGroups, out_dir: 
     if writer:
         if os.path.exists(out_dir):
             raise FileExistsError(f"{out_dir} exists; refusing to overwrite a checkpoint")
+        _remove_stale_temp(tmp)
         os.makedirs(tmp, exist_ok=False)
     weight_map: dict[str, str] = {}
     for i, bucket in enumerate(iter_hf_buckets(model, groups, bucket_bytes)):
