@@ -1,0 +1,112 @@
+"""Fixtures for tests/learner/test_convert_cli.py: tiny random Qwen3 / Qwen3-MoE HF directories,
+and steps that run inside one process group (``python convert_helpers.py STEP ...``, or under
+torchrun), so several conversions share one start-up.
+
+Steps:
+- ``run-ckpt HF_DIR RUN_DIR REF_DIR OUT_DIR``: one process. Train a learner one step from HF_DIR,
+  save a real run checkpoint (megarl.trainer.checkpointing.save: learner with Adam state +
+  trainer.json) and an init_policy/ copy of HF_DIR, export the trained weights to REF_DIR, then
+  run ``megarl convert megatron-to-hf`` on the step directory into OUT_DIR, and again on the run
+  directory with --overwrite. Prints ``RESULT {json}``.
+- ``convert ARGS... [-- ARGS...]``: run ``megarl convert`` once per ``--``-separated argument list
+  (in one process group); prints ``RESULT {json}`` with the exit codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+VOCAB = 256
+
+
+def tiny_config(moe: bool) -> dict:
+    """A tiny Qwen3 / Qwen3-MoE config: 4 heads, 2 KV heads, 2 layers, 4 experts top-2."""
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                max_position_embeddings=512, rms_norm_eps=1e-6)
+    if moe:
+        base.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    return base
+
+
+def make_tiny_hf(out: Path, moe: bool, seed: int = 0) -> Path:
+    """A random-weight fp32 Qwen3 (or Qwen3-MoE) saved with ``save_pretrained``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = (Qwen3MoeForCausalLM(Qwen3MoeConfig(**tiny_config(True))) if moe
+             else Qwen3ForCausalLM(Qwen3Config(**tiny_config(False))))
+    model.float().save_pretrained(out)
+    return Path(out)
+
+
+def read_hf_tensors(d: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors directory."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
+    from megarl.batch import PackedBatch
+    from megarl.convert.cli import main as convert
+    from megarl.convert.hf_megatron import save_hf_checkpoint
+    from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
+    from megarl.learner.parallel import ParallelLayout, initialize_parallel
+    from megarl.trainer import checkpointing
+    from megarl.trainer.policy import SFTObjective
+
+    groups = initialize_parallel(ParallelLayout())
+    ln = Learner(LearnerConfig(hf_config=hf_dir, optim=OptimConfig(lr=1e-2)), groups)
+    ln.load_hf(hf_dir)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([7, 9])
+    cu = torch.zeros(3, dtype=torch.long)
+    cu[1:] = torch.cumsum(lens, 0)
+    mask = torch.ones(16)
+    mask[cu[:-1]] = 0.0  # the first token of a sequence has no logprob
+    batch = PackedBatch(tokens=torch.randint(0, VOCAB, (16,), generator=g), cu_seqlens=cu,
+                        prompt_lens=torch.tensor([1, 1]), loss_mask=mask,
+                        group_ids=torch.tensor([0, 1]), advantages=torch.zeros(16)).validate()
+    ln.train_step(batch, SFTObjective())
+    shutil.copytree(hf_dir, Path(run_dir) / "init_policy")
+    step_dir = checkpointing.save(run_dir, 1, ln, {"sampler": {}}, keep_last=2)
+    save_hf_checkpoint(ln.model, groups, ref_dir, hf_config=ln.hf_config)
+    rc_step = convert(["megatron-to-hf", "--ckpt", str(step_dir), "--out", out_dir])
+    rc_refuse = convert(["megatron-to-hf", "--ckpt", run_dir, "--out", out_dir])
+    rc_run = convert(["megatron-to-hf", "--ckpt", run_dir, "--out", out_dir, "--overwrite"])
+    return {"rc_step": rc_step, "rc_refuse": rc_refuse, "rc_run": rc_run, "step_dir": str(step_dir)}
+
+
+def _convert_many(argv: list[str]) -> dict:
+    from megarl.convert.cli import main as convert
+
+    lists, cur = [], []
+    for a in argv:
+        if a == "--":
+            lists.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    lists.append(cur)
+    return {"rcs": [convert(a) for a in lists]}
+
+
+if __name__ == "__main__":
+    step, rest = sys.argv[1], sys.argv[2:]
+    res = _run_ckpt(*rest) if step == "run-ckpt" else _convert_many(rest)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(res), flush=True)
