@@ -1,11 +1,42 @@
-"""A small name -> callable registry, so a config can say ``policy_loss: gspo``."""
+"""A small name -> callable registry, so a config can say ``policy_loss: gspo``.
+
+Every entry carries a typed ``PartInfo``: what the part needs from the batch, whether it keeps
+state across steps, and the capabilities the composed objective calls it with. The trainer reads
+these fields; nothing looks for attributes on the function.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """What a registered part declares about itself.
+
+    batch_inputs: names of the batch inputs the part reads (``entropies``, ``ref_logprobs``,
+        ``steps``, ...); the trainer fills each through its provider (megarl/plugin/inputs.py).
+    make_state: ``make_state(**knobs) -> state`` for parts that keep state across steps (saved in
+        checkpoints through the state's ``state_dict``/``load_state_dict``).
+    prepare: ``prepare(batch, dp_group, state, **knobs) -> batch``, run once per optimizer step on
+        the DP rank's whole batch (global statistics before micro-batching).
+    token_metrics: per-token diagnostics of a policy loss, same arguments as the loss.
+    needs_context: the part takes ``batch=`` and ``ctx=`` keywords.
+    needs_entropy: the part takes the current policy's full-vocab entropy as ``entropy=``.
+    aggregates_itself: a regulariser that returns its globally normalised scalar itself.
+    """
+
+    batch_inputs: tuple[str, ...] = ()
+    make_state: Callable[..., Any] | None = None
+    prepare: Callable[..., Any] | None = None
+    token_metrics: Callable[..., Any] | None = None
+    needs_context: bool = False
+    needs_entropy: bool = False
+    aggregates_itself: bool = False
 
 
 class Registry(Generic[F]):
@@ -14,15 +45,24 @@ class Registry(Generic[F]):
     def __init__(self, kind: str):
         self.kind = kind
         self._items: dict[str, F] = {}
+        self._info: dict[str, PartInfo] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator: register ``fn`` under ``name`` (a name may be registered once)."""
+    def register(self, name: str, **info: Any) -> Callable[[F], F]:
+        """Decorator: register ``fn`` under ``name`` with its ``PartInfo`` fields as keywords
+        (a name may be registered once)."""
+
         def deco(fn: F) -> F:
-            if name in self._items:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._items[name] = fn
+            self.add(name, fn, PartInfo(**info))
             return fn
+
         return deco
+
+    def add(self, name: str, fn: F, info: PartInfo | None = None) -> None:
+        """Register ``fn`` under ``name`` (not as a decorator)."""
+        if name in self._items:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._items[name] = fn
+        self._info[name] = info or PartInfo()
 
     def get(self, name: str) -> F:
         """The callable registered as ``name``; a KeyError lists the allowed names."""
@@ -31,7 +71,13 @@ class Registry(Generic[F]):
         except KeyError:
             raise KeyError(f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self._items))}") from None
 
+    def info(self, name: str) -> PartInfo:
+        """The ``PartInfo`` of ``name`` (a KeyError lists the allowed names)."""
+        self.get(name)
+        return self._info[name]
+
     def names(self) -> list[str]:
+        """The registered names, sorted."""
         return sorted(self._items)
 
     def __contains__(self, name: str) -> bool:

@@ -17,7 +17,8 @@ from megarl.registry import Registry
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage_estimator")
 
 
-def _scalar_rewards(batch: PackedBatch) -> torch.Tensor:
+def scalar_rewards(batch: PackedBatch) -> torch.Tensor:
+    """The batch's scalar rewards [B] in float64 (an error names a missing or vector field)."""
     if batch.rewards is None:
         raise ValueError("advantage estimation needs the batch field 'rewards'")
     if batch.rewards.dim() != 1:
@@ -106,7 +107,7 @@ def reinforce_pp(batch: PackedBatch, kl: torch.Tensor | None = None, kl_coef: fl
                  gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++: whitened discounted return of (outcome reward at the last token - β·kl); [T]."""
     m = batch.loss_mask.double()
-    r = _last_token_rewards(batch, _scalar_rewards(batch))
+    r = _last_token_rewards(batch, scalar_rewards(batch))
     if kl is not None:
         r = r - kl_coef * kl.double() * m
     ret, _ = gae(r, torch.zeros_like(m), m, batch.cu_seqlens, gamma=gamma, lam=1.0)
@@ -116,27 +117,28 @@ def reinforce_pp(batch: PackedBatch, kl: torch.Tensor | None = None, kl_coef: fl
 def reinforce_pp_baseline(batch: PackedBatch) -> torch.Tensor:
     """REINFORCE++-baseline: (R - group mean) on every loss token, whitened over the batch; [T]."""
     m = batch.loss_mask.double()
-    adv = broadcast_to_tokens(dr_grpo(_scalar_rewards(batch), batch.group_ids), batch.cu_seqlens)
+    adv = broadcast_to_tokens(dr_grpo(scalar_rewards(batch), batch.group_ids), batch.cu_seqlens)
     return _whiten(adv * m, m)
 
 
-def _per_token(batch: PackedBatch, per_seq: torch.Tensor) -> torch.Tensor:
+def per_token(batch: PackedBatch, per_seq: torch.Tensor) -> torch.Tensor:
+    """Per-sequence values [B] on every loss token of their sequence; [T] (0 off the mask)."""
     return broadcast_to_tokens(per_seq, batch.cu_seqlens) * batch.loss_mask.double()
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def _grpo(batch: PackedBatch, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    return _per_token(batch, grpo(_scalar_rewards(batch), batch.group_ids, scale_by_std, eps))
+    return per_token(batch, grpo(scalar_rewards(batch), batch.group_ids, scale_by_std, eps))
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def _dr_grpo(batch: PackedBatch) -> torch.Tensor:
-    return _per_token(batch, dr_grpo(_scalar_rewards(batch), batch.group_ids))
+    return per_token(batch, dr_grpo(scalar_rewards(batch), batch.group_ids))
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def _rloo(batch: PackedBatch) -> torch.Tensor:
-    return _per_token(batch, rloo(_scalar_rewards(batch), batch.group_ids))
+    return per_token(batch, rloo(scalar_rewards(batch), batch.group_ids))
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp")
@@ -158,7 +160,7 @@ def _gae(batch: PackedBatch, gamma: float = 1.0, lam: float = 0.95) -> torch.Ten
         raise ValueError("advantage_estimator=gae needs the batch field 'values'")
     r = batch.token_rewards
     if r is None:
-        r = _last_token_rewards(batch, _scalar_rewards(batch))
+        r = _last_token_rewards(batch, scalar_rewards(batch))
     adv, ret = gae(r.double(), batch.values.double(), batch.loss_mask.double(), batch.cu_seqlens, gamma, lam)
     batch.returns = ret.to(batch.values.dtype)
     return adv
@@ -170,7 +172,3 @@ def compute_advantages(batch: PackedBatch, estimator: str, **knobs) -> torch.Ten
     batch.advantages = adv.to(torch.float32)
     return batch.advantages
 
-
-# Method families register their estimators on import; keep this last (they import this module).
-import megarl.methods.credit  # noqa: E402,F401
-import megarl.rewards.shaping  # noqa: E402,F401  (RSPO's estimator)

@@ -13,7 +13,7 @@ import math
 import os
 from pathlib import Path
 
-from megarl.trainer.metrics import read_metrics
+from megarl.rundir import read_metrics
 
 # (metric key, label). ``router/imbalance`` is derived: the mean over MoE layers of max-load x E.
 CURVES: tuple[tuple[str, str], ...] = (

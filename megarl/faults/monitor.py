@@ -97,7 +97,7 @@ class FaultMonitor:
 
     def _take_snapshot(self, step: int, objective) -> dict:
         """Pre-step state: HF weights (collective), objective state, learner step, RNG."""
-        from megarl.trainer.policy import export_state
+        from megarl.learner.factory import export_state
 
         weights = {k: v.detach().cpu().clone() for k, v in export_state(self.learner).items()}
         learner_dir = None

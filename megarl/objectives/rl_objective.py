@@ -7,6 +7,7 @@ Equal, by the property tests, to reference/loss.py:rl_loss on the padded batch.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,7 @@ from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 
-import megarl.methods.trust_regions  # noqa: E402,F401  (registers method family 1's parts by name)
-import megarl.methods.credit  # noqa: E402,F401  (registers method family 2's parts by name)
+CLIP_KNOBS = ("clip_low", "clip_high", "dual_clip")
 
 
 @dataclass
@@ -31,8 +31,9 @@ class ObjectiveConfig:
     """Knobs of the composed objective (names are registry keys)."""
 
     policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    # None: the policy loss's own default (PPO 0.2/0.28, GSPO 3e-4/4e-4, CISPO 1e9/0.28, ...)
+    clip_low: float | None = None
+    clip_high: float | None = None
     dual_clip: float | None = None
     aggregation: str = "token-mean"
     kl_coef: float = 0.0
@@ -54,7 +55,11 @@ class ObjectiveConfig:
                          ("correction", CORRECTIONS), ("distill", DISTILLATION)):
             if getattr(self, key) not in reg:
                 raise ValueError(f"objective.{key}={getattr(self, key)!r}; allowed: {', '.join(reg.names())}")
-        for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "correction_low", "correction_high",
+        for key in ("clip_low", "clip_high"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"objective.{key}={v!r} must be a number or null (the loss's own default)")
+        for key in ("kl_coef", "entropy_coef", "correction_low", "correction_high",
                     "distill_coef"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -71,6 +76,7 @@ class ObjectiveConfig:
             if not isinstance(reg, dict) or "name" not in reg or "coef" not in reg:
                 raise ValueError(f"objective.regularisers[{i}] must be a mapping with 'name' and 'coef', got {reg!r}")
             if reg["name"] not in REGULARISERS:
+                # the families register their parts when the catalogue loads them
                 raise ValueError(f"objective.regularisers[{i}].name={reg['name']!r}; allowed: "
                                  f"{', '.join(REGULARISERS.names()) or 'none registered'}")
         return self
@@ -81,29 +87,29 @@ class RLObjective:
 
     def __init__(self, cfg: ObjectiveConfig):
         self.cfg = cfg.validate()
+        self.clip = resolved_clip(cfg)
         # state of stateful parts (e.g. EPPO's per-task entropy EMA), keyed by config path
         self.state: dict[str, Any] = {}
-        for key, fn, knobs in self._parts():
-            if hasattr(fn, "make_state"):
-                self.state[key] = fn.make_state(**knobs)
+        for key, info, knobs in self._parts():
+            if info.make_state is not None:
+                self.state[key] = info.make_state(**knobs)
 
     def _parts(self):
-        """(config path, registered function, knobs) of the policy loss and every regulariser."""
-        yield "policy_loss", POLICY_LOSSES.get(self.cfg.policy_loss), dict(self.cfg.policy_loss_args)
+        """(config path, PartInfo, knobs) of the policy loss and every regulariser."""
+        yield "policy_loss", POLICY_LOSSES.info(self.cfg.policy_loss), dict(self.cfg.policy_loss_args)
         for i, reg in enumerate(self.cfg.regularisers):
             knobs = {k: v for k, v in reg.items() if k not in ("name", "coef")}
-            yield f"regularisers.{i}", REGULARISERS.get(reg["name"]), knobs
+            yield f"regularisers.{i}", REGULARISERS.info(reg["name"]), knobs
 
     def prepare(self, batch: PackedBatch, dp_group: Any = None) -> PackedBatch:
         """Call once per optimizer step on this DP rank's whole batch, before splitting it into
-        micro-batches. Parts that need statistics of the global batch (a ``prepare`` attribute:
+        micro-batches. Parts that need statistics of the global batch (``PartInfo.prepare``:
         GAPO's mean |A|, CoKL's group weights, EPPO's task entropies) compute them here, reduced
         over ``dp_group``, store them per sequence in ``batch.extras`` and update their state.
         A no-op for the core parts; returns the batch to split."""
-        for key, fn, knobs in self._parts():
-            prep = getattr(fn, "prepare", None)
-            if prep is not None:
-                batch = prep(batch, dp_group, self.state.get(key), **knobs)
+        for key, info, knobs in self._parts():
+            if info.prepare is not None:
+                batch = info.prepare(batch, dp_group, self.state.get(key), **knobs)
         return batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -135,13 +141,12 @@ class RLObjective:
         def agg(x: torch.Tensor) -> torch.Tensor:
             return aggregate(x, mask, cu, cfg.aggregation, norm)
 
-        pg = POLICY_LOSSES.get(cfg.policy_loss)(logp, old, adv, mask, cu, cfg.clip_low, cfg.clip_high,
-                                                cfg.dual_clip, **_policy_extra(cfg, batch, ctx, ent))
+        extra = _policy_extra(cfg, self.clip, batch, ctx, ent)
+        pg = POLICY_LOSSES.get(cfg.policy_loss)(logp, old, adv, mask, cu, **extra)
         metrics: dict[str, torch.Tensor] = {}
-        token_metrics = getattr(POLICY_LOSSES.get(cfg.policy_loss), "token_metrics", None)
+        token_metrics = POLICY_LOSSES.info(cfg.policy_loss).token_metrics
         if token_metrics is not None:  # per-token diagnostics of the loss, token-mean over the global batch
-            for k, v in token_metrics(logp.detach(), old, adv, mask, cu, cfg.clip_low, cfg.clip_high,
-                                      cfg.dual_clip, **_policy_extra(cfg, batch, ctx, ent)).items():
+            for k, v in token_metrics(logp.detach(), old, adv, mask, cu, **extra).items():
                 metrics[f"{cfg.policy_loss}/{k}"] = _token_mean(v, mask, norm)
         if cfg.correction != "none":
             if batch.rollout_logprobs is None or batch.old_logprobs is None:
@@ -169,14 +174,13 @@ class RLObjective:
             metrics["distill"] = d.detach()
         for reg in cfg.regularisers:
             knobs = {k: v for k, v in reg.items() if k not in ("name", "coef")}
-            reg_fn = REGULARISERS.get(reg["name"])
-            term = reg_fn(logits, logp, old, batch, ctx, **knobs)
+            term = REGULARISERS.get(reg["name"])(logits, logp, old, batch, ctx, **knobs)
             # a group-level term (CoKL) returns its globally normalised scalar contribution itself
-            term = term if getattr(reg_fn, "aggregates_itself", False) else agg(term)
+            term = term if REGULARISERS.info(reg["name"]).aggregates_itself else agg(term)
             loss = loss + reg["coef"] * term
             metrics[f"reg/{reg['name']}"] = term.detach()
         ratio = torch.exp(logp.detach() - old)
-        clipped = (ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)
+        clipped = (ratio < 1 - self.clip["clip_low"]) | (ratio > 1 + self.clip["clip_high"])
         metrics["entropy"] = _token_mean(ent.detach(), mask, norm)
         metrics["clip_frac"] = _token_mean(clipped.to(logp.dtype), mask, norm)
         metrics["ratio_mean"] = _token_mean(ratio, mask, norm)
@@ -187,16 +191,30 @@ class RLObjective:
         return LossOutput(loss=loss, metrics=metrics)
 
 
-def _policy_extra(cfg: ObjectiveConfig, batch: PackedBatch, ctx: LossContext,
-                  ent: Optional[torch.Tensor] = None) -> dict[str, Any]:
-    """Extra policy-loss keyword arguments: the configured knobs (losses that need the batch or
-    context take them as ``batch=``/``ctx=`` keywords when they declare ``needs_context``; losses
-    that declare ``needs_entropy`` get the current policy's full-vocab entropy as ``entropy=``)."""
-    extra = dict(cfg.policy_loss_args)
-    loss_fn = POLICY_LOSSES.get(cfg.policy_loss)
-    if getattr(loss_fn, "needs_context", False):
+def resolved_clip(cfg: ObjectiveConfig) -> dict[str, Any]:
+    """``clip_low``/``clip_high``/``dual_clip`` as the policy loss receives them: the configured value,
+    or the loss's own default where the config leaves it unset (GSPO's 3e-4/4e-4, not PPO's)."""
+    params = inspect.signature(POLICY_LOSSES.get(cfg.policy_loss)).parameters
+    out: dict[str, Any] = {}
+    for key in CLIP_KNOBS:
+        v = getattr(cfg, key)
+        if v is None and key in params and params[key].default is not inspect.Parameter.empty:
+            v = params[key].default
+        out[key] = 0.0 if v is None and key != "dual_clip" else v
+    return out
+
+
+def _policy_extra(cfg: ObjectiveConfig, clip: dict[str, Any], batch: PackedBatch, ctx: LossContext,
+                  ent: torch.Tensor | None = None) -> dict[str, Any]:
+    """Keyword arguments of the policy loss: the resolved clip range, the configured knobs, and
+    what its ``PartInfo`` declares (``batch=``/``ctx=`` with ``needs_context``, the current
+    policy's full-vocab entropy as ``entropy=`` with ``needs_entropy``)."""
+    extra = dict(clip)
+    extra.update(cfg.policy_loss_args)
+    info = POLICY_LOSSES.info(cfg.policy_loss)
+    if info.needs_context:
         extra.update(batch=batch, ctx=ctx)
-    if getattr(loss_fn, "needs_entropy", False):
+    if info.needs_entropy:
         extra.update(entropy=ent)
     return extra
 

@@ -50,14 +50,14 @@ def _count_params(hf_dir: str) -> int:
 
 def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: list[str]) -> dict:
     """Validate everything ``run_compare`` needs; returns both models' shapes."""
-    from megarl.trainer.config import ConfigError, load_config
-
     if steps < 1:
         raise CompareError(f"--steps {steps}: must be >= 1")
-    try:
-        load_config(config, [f"model.hf_dir={original}", f"schedule.steps={steps}", *overrides])
-    except ConfigError as e:
-        raise CompareError(f"--config {config}: {e}") from None
+    # the recipe is checked by the command that will run it (`megarl train --check`)
+    check = subprocess.run([sys.executable, "-m", "megarl.cli", "train", config, f"model.hf_dir={original}",
+                            f"schedule.steps={steps}", *overrides, "--check"], capture_output=True, text=True)
+    if check.returncode != 0:
+        msg = check.stderr.strip().splitlines()[-1] if check.stderr.strip() else f"exit code {check.returncode}"
+        raise CompareError(f"--config {config}: {msg.removeprefix('megarl train: config error: ')}")
     shapes = {}
     for name, d in (("original", original), ("proxy", proxy)):
         if not (Path(d) / "config.json").is_file():

@@ -97,8 +97,9 @@ def replay_dump(
     from megarl.faults.router_stats import RouterLoadCounter
     from megarl.learner.parallel import ParallelLayout, initialize_parallel
     from megarl.objectives.rl_objective import build_objective
-    from megarl.trainer.config import from_dict
-    from megarl.trainer.policy import build_learner
+    from megarl.catalogue import load_builtin
+    from megarl.learner.factory import build_learner
+    from megarl.learner.optim_config import OptimConfig
 
     meta, batches, state, model, hf, notes = check_dump_and_model(dump_dir, model_dir)
     if old_logprobs not in ("auto", "dump", "recompute"):
@@ -123,8 +124,10 @@ def replay_dump(
             f"the dump ran on {lay['world_size']} rank(s) (tp={lay['tp']}, pp={lay['pp']}, ep={lay['ep']}, "
             f"dp={lay.get('dp', 1)}); this replay on {world}: comparable numbers, not bit-exact ones"
         )
-    cfg = from_dict(meta["run_config"])
-    groups = initialize_parallel(layout, seed=cfg.model.seed)
+    run_cfg = meta["run_config"]
+    load_builtin()  # the dumped run's method parts (objective parts register when their family loads)
+    model_cfg = run_cfg["model"]
+    groups = initialize_parallel(layout, seed=model_cfg["seed"])
     for b in batches:
         # data-parallel dumps hold every DP rank's share: this rank's, or all of them on one replica
         if b["dp_shares"]:
@@ -133,7 +136,8 @@ def replay_dump(
                 if groups.dp_size == len(b["dp_shares"])
                 else concat_batches(b["dp_shares"])
             )
-    learner = build_learner(cfg, hf, groups)
+    learner = build_learner(hf, groups, OptimConfig(**run_cfg["optimizer"]), model_cfg["params_dtype"],
+                            model_cfg["seed"])
     full = full_state_dir(dump_dir, meta) if model_dir is None else None
     if full is not None:
         from megarl.learner.checkpoint import load_checkpoint
@@ -143,7 +147,7 @@ def replay_dump(
     else:
         learner.load_hf(model)
     learner.step = int(state["learner_step"])
-    objective = build_objective(cfg.objective)
+    objective = build_objective(run_cfg["objective"])
     objective.load_state_dict(state["objective_state"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])

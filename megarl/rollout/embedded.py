@@ -283,3 +283,13 @@ class EmbeddedEngine(RolloutEngine):
     def shutdown(self, reason: str = "shut down") -> None:
         """Stop serving: in-flight requests fail at their next decode step, later ones at once."""
         self.dead_reason = reason
+
+
+def hf_model_from_config(hf_config: dict) -> torch.nn.Module:
+    """A transformers causal LM with the architecture of ``hf_config`` (random weights: the learner
+    syncs its own into it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    config = AutoConfig.for_model(hf_config["model_type"], **kw)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -6,7 +6,8 @@ version 0, or at the checkpoint's step on resume). Step ``t`` trains the learner
 there. The synchronous loop has staleness 0 everywhere.
 
 Rank 0 runs a ``RolloutProducer`` on an asyncio loop in a background thread (``ThreadEventLoop``):
-it builds the batch of step ``s`` (prompts -> n samples -> rewards -> dynamic sampling) as soon as
+it builds the batch of step ``s`` with the run's rollout collector (the synchronous loop's
+sample -> generate -> score -> shape -> filter, workflows and round processors included) as soon as
 the engine's version is at least ``s - 1 - max_staleness`` and queues it, so with
 ``max_staleness = k`` up to ``k`` batches are generated ahead while the learner trains. The
 trainer's main thread takes the batch of each step from the queue; a group older than the bound
@@ -32,107 +33,74 @@ of the first batch not yet complete (the in-flight batch is redrawn on resume) a
 from __future__ import annotations
 
 import json
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from megarl.batch import PackedBatch
 from megarl.trainer import checkpointing
-from megarl.trainer.config import ConfigError
-from megarl.trainer.loop import Rollouts, Trainer, _log
-from megarl.trainer.rollout_producer import (
-    LockedRewards,
-    ProducedBatch,
-    RolloutProducer,
-    ThreadEventLoop,
-    batch_from_json,
-    staleness_of,
-    too_stale,
-)
+from megarl.trainer.loop import Trainer
+from megarl.trainer.rollout_producer import RolloutProducer, ThreadEventLoop, staleness_of, too_stale
+from megarl.trainer.rollouts import Rollouts, batch_from_json, rollouts_from_groups
+from megarl.trainer.run import Run
+from megarl.trainer.setup import log
 
 
-@dataclass
-class AsyncRollouts(Rollouts):
-    """``Rollouts`` plus each sample's policy version."""
+class AsyncRollouts:
+    """The asynchronous rollout source: batches generated ahead by a ``RolloutProducer``."""
 
-    versions: list[int] = field(default_factory=list)
+    def __init__(self, run: Run, start: int):
+        self.run = run
+        a = run.cfg.async_loop
+        self.max_staleness, self.on_stale = a.max_staleness, a.on_stale
+        self.keep_requests = run.cfg.rollout.engine == "vllm" and a.partial_rollout == "continue"
+        self.producer: RolloutProducer | None = None
+        self.started = False
+        if run.rank0:
+            self.producer = self._make_producer(start + 1)
+        run.producer = self.producer
 
-
-# ----------------------------------------------------------------------------------------- trainer
-class AsyncTrainer(Trainer):
-    """``Trainer`` with rollouts generated ahead by a ``RolloutProducer`` (see the module docstring).
-
-    Only the rollout side changes: the step's learner work (logprobs, advantages, optimizer steps,
-    weight sync) is the synchronous loop's; the weight sync is bracketed by the producer's
-    abort/resume, and checkpoints carry the producer's state under ``trainer.json["async"]``.
-    """
-
-    producer: RolloutProducer | None = None
-
-    def _make_event_loop(self):
-        if dist.get_rank() == 0:
-            return ThreadEventLoop()
-        return super()._make_event_loop()
-
-    # --------------------------------------------------------------------------- producer
-    def _start_producer(self, step: int) -> None:
-        """Rank 0, first step of this process: restore the checkpoint's queue (if resuming) and start."""
-        if getattr(self, "shaping", None) is not None or getattr(self, "rrpo", None) is not None:
-            raise ConfigError("async_loop.enabled=true does not support reward.shaping or the rrpo estimator yet "
-                              "(they call the engine from the trainer thread)")
-        restored: list[ProducedBatch] = []
-        counters: dict = {}
-        first = step
-        ckpt = checkpointing.checkpoint_root(self.run_dir) / f"step_{step - 1:06d}" / checkpointing.TRAINER_STATE
-        if step > 1 and self.cfg.checkpoint.resume == "auto" and ckpt.is_file():
+    def _make_producer(self, step: int) -> RolloutProducer:
+        """Rank 0: the producer, with the checkpoint's queue restored when resuming."""
+        run = self.run
+        restored, counters, first = [], {}, step
+        ckpt = checkpointing.checkpoint_root(run.run_dir) / f"step_{step - 1:06d}" / checkpointing.TRAINER_STATE
+        if step > 1 and run.cfg.checkpoint.resume == "auto" and ckpt.is_file():
             saved = json.loads(ckpt.read_text()).get("async")
             if saved:
                 restored = [batch_from_json(b) for b in saved["queued"]]
                 first, counters = int(saved["next_step"]), dict(saved["counters"])
-                _log(f"megarl train: async state restored: {len(restored)} queued batch(es), producer at step "
-                     f"{first}")
-        self.rewards = LockedRewards(self.rewards)
-        self.producer = RolloutProducer(self, first_step=first, version=step - 1, restored=restored,
-                                        counters=counters)
-        self.loop.run_until_complete(self.producer.start())
+                log(f"megarl train: async state restored: {len(restored)} queued batch(es), producer at step {first}")
+        a = run.cfg.async_loop
+        return RolloutProducer(run.engine, run.sampler, a.max_staleness, a.partial_rollout, run.cfg.schedule.steps,
+                               first_step=first, version=step - 1, restored=restored, counters=counters)
 
-    def _rollout(self, step: int) -> tuple[Rollouts, dict]:
-        if self.producer is None:
-            self._start_producer(step)
-        p, a = self.producer, self.cfg.async_loop
+    def start(self) -> None:
+        """Start producing (rank 0, at the first step: after the initial weight sync and evaluation)."""
+        if self.producer is not None and not self.started:
+            self.producer.collector = self.run.collector
+            self.run.loop.run_until_complete(self.producer.start())
+        self.started = True
+
+    def take(self, step: int) -> tuple[Rollouts, dict]:
+        """Rank 0: the queued batch of ``step``; groups staler than the bound are dropped or regenerated."""
+        run, p = self.run, self.producer
+        self.start()
         t0 = time.time()
         b = p.take(step)
         wait = time.time() - t0
         train_version = step - 1
         groups, dropped, regenerated = list(b.groups), 0, 0
-        for i in reversed(too_stale([g.version for g in groups], train_version, a.max_staleness)):
-            if a.on_stale == "drop":
+        for i in reversed(too_stale([g.version for g in groups], train_version, self.max_staleness)):
+            if self.on_stale == "drop":
                 del groups[i]
                 dropped += 1
             else:
-                groups[i] = self.loop.run_until_complete(p.regenerate(groups[i], step))
+                groups[i] = run.loop.run_until_complete(run.collector.regenerate(groups[i], step))
                 regenerated += 1
         p.counters["dropped_stale_groups"] += dropped
         p.counters["regenerated_groups"] += regenerated
-        ro = AsyncRollouts([], [], [], [], [], [], [], {k: [] for k in self.rewards.names}, [])
-        for gid, g in enumerate(groups):
-            k = len(g.samples)
-            ro.prompt_ids += [g.prompt_ids] * k
-            ro.response_ids += [s.token_ids for s in g.samples]
-            ro.rollout_logprobs += [s.logprobs for s in g.samples]
-            ro.group_ids += [gid] * k
-            ro.task_ids += [self.train_ds.task_id[g.row.task]] * k
-            ro.truncated += [s.finish_reason == "length" for s in g.samples]
-            ro.rewards += g.rewards
-            ro.responses += g.texts
-            ro.answers += [g.row.answer] * k
-            ro.versions += [s.version for s in g.samples]
-            for name in ro.reward_dims:
-                ro.reward_dims[name] += g.reward_dims[name]
+        ro = rollouts_from_groups(groups, run.train_ds.task_id, run.rewards.names, with_versions=True)
         stats = dict(b.stats)
         stale = staleness_of(ro.versions, train_version)
         hist: dict[str, int] = {}
@@ -151,59 +119,48 @@ class AsyncTrainer(Trainer):
             **{f"async/{k}_total": v for k, v in p.counters.items()}}
         return ro, stats
 
-    def _batch(self, ro: Rollouts, step: int) -> PackedBatch:
-        batch = super()._batch(ro, step)
-        if isinstance(ro, AsyncRollouts):
-            batch.policy_versions = torch.tensor(ro.versions, dtype=torch.long)
-        return batch
+    def update_weights(self, version: int) -> None:
+        """The weight sync bracketed by the producer's abort and resume (collective); on vLLM with
+        ``partial_rollout: continue`` the server keeps its requests across the reload instead."""
+        from megarl.trainer.weights import export_dir, sync_weights
 
-    def _rollout_metrics(self, ro: Rollouts, rs: dict) -> dict:
-        rec = super()._rollout_metrics(ro, rs)
-        rec.update(rs.get("async", {}))
-        return rec
-
-    # --------------------------------------------------------------------------- weights, state
-    def _sync_weights(self, version: int) -> None:
-        p = self.producer
-        keep = self.cfg.rollout.engine == "vllm" and self.cfg.async_loop.partial_rollout == "continue"
-        if p is not None and keep:
-            self._sync_weights_keeping(version)
+        run = self.run
+        p = self.producer if self.started else None
+        if self.keep_requests:
+            wdir = export_dir(run, version)
+            if p is not None:
+                run.loop.run_until_complete(p.update_keeping(str(wdir), version))
             return
         if p is not None:
-            self.loop.run_until_complete(p.before_update())
-        super()._sync_weights(version)
+            run.loop.run_until_complete(p.before_update())
+        sync_weights(run, version)
         if p is not None:
-            self.loop.run_until_complete(p.after_update(version))
+            run.loop.run_until_complete(p.after_update(version))
 
-    def _sync_weights_keeping(self, version: int) -> None:
-        """vLLM with ``partial_rollout: continue``: export a HF checkpoint (collective, every rank),
-        then rank 0's producer reloads it into the server without ending its requests."""
-        from megarl.convert.hf_megatron import save_hf_checkpoint
+    def state(self) -> dict:
+        """The sampler as of the batch in progress, the queue and the counters (``trainer.json``)."""
+        if self.producer is None or not self.started:
+            return {}
+        snap = self.run.loop.run_until_complete(self.producer.snapshot())
+        return {"sampler": snap["sampler"], "async": snap}
 
-        wdir = Path(self.cfg.rollout.weights_dir or self.run_dir / "weights") / f"v{version:06d}"
-        if dist.get_rank() == 0 and wdir.exists():
-            shutil.rmtree(wdir)
-        dist.barrier()
-        save_hf_checkpoint(self.learner.model, self.groups, wdir, hf_config=self.hf)
+    def close(self) -> None:
+        """Stop the producer (rank 0)."""
         if self.producer is not None:
-            self.loop.run_until_complete(self.producer.update_keeping(str(wdir), version))
-
-    def _trainer_state(self, step: int) -> dict:
-        state = super()._trainer_state(step)
-        if self.producer is not None:  # the sampler as of the batch in progress, the queue, the counters
-            snap = self.loop.run_until_complete(self.producer.snapshot())
-            state["sampler"], state["async"] = snap["sampler"], snap
-        return state
-
-    def _finish(self) -> None:
-        if self.producer is not None:
-            self.loop.run_until_complete(self.producer.stop())
-        super()._finish()
+            self.run.loop.run_until_complete(self.producer.stop())
 
 
-def trainer_class(cfg) -> type[Trainer]:
-    """``AsyncTrainer`` when ``async_loop.enabled``, else the synchronous ``Trainer``."""
-    return AsyncTrainer if cfg.async_loop.enabled else Trainer
+class AsyncTrainer(Trainer):
+    """``Trainer`` with rollouts generated ahead (see the module docstring): only the rollout source
+    and the event loop differ; the step's learner work is the synchronous loop's."""
+
+    def make_source(self, run: Run, start: int) -> AsyncRollouts:
+        """Engine on a thread loop, the producer, the collector over the producer's gated engine."""
+        run.make_event_loop = (lambda: ThreadEventLoop()) if dist.get_rank() == 0 else run.make_event_loop
+        run.build_engine()
+        source = AsyncRollouts(run, start)
+        run.build_rank0_parts(wrap_engine=source.producer.gate if source.producer is not None else None)
+        return source
 
 
-__all__ = ["AsyncTrainer", "RolloutProducer", "ThreadEventLoop", "staleness_of", "too_stale", "trainer_class"]
+__all__ = ["AsyncRollouts", "AsyncTrainer", "RolloutProducer", "ThreadEventLoop", "staleness_of", "too_stale"]

@@ -56,7 +56,7 @@ def _set_rng_state(st: dict) -> None:
 
 
 OBJECTIVE_STATE = "objective.pt"
-METHOD_STATE = "method.pt"  # advantage-estimator state, reward shaper, RRPO head (megarl.trainer.method_inputs)
+METHOD_STATE = "method.pt"  # estimator state, round processors, step hooks (MethodRuntime.state_dict)
 
 
 def save(run_dir: str | os.PathLike, step: int, learner, trainer_state: dict, keep_last: int,

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch_threads:
         torch.set_num_threads(int(torch_threads))
     from megarl.data.dataset import DataError
-    from megarl.trainer.async_loop import trainer_class
+    from megarl.trainer.loop import trainer_class
 
     try:
         return trainer_class(cfg)(cfg).run()

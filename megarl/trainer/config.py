@@ -129,7 +129,7 @@ class RewardConfig:
     """Reward dimensions; the scalar reward is their weighted sum. A python reward function that
     raises or runs past ``timeout_s`` gets ``fallback`` and is counted in the metrics.
     ``shaping``: an optional reward shaper ``{name: <REWARD_SHAPERS key>, <knobs>}`` applied to the
-    rewards of every rollout batch (megarl/trainer/shaping.py)."""
+    rewards of every rollout round (megarl/rewards/shaping/processor.py)."""
 
     functions: list = field(default_factory=lambda: [RewardFunctionConfig()])
     timeout_s: float = 5.0
@@ -147,21 +147,6 @@ class AdvantageConfig:
 
 
 @dataclass
-class RRPOConfig:
-    """RRPO's anchors and projection head (megarl/trainer/rrpo_scores.py). Anchor prompts are
-    ``str.format`` templates over ``prompt``, ``answer`` and ``wrong`` (a corrupted answer)."""
-
-    anchors: int = 4  # positive and negative anchor samples per prompt
-    positive_prompt: str = "{answer} {prompt}"
-    negative_prompt: str = "{wrong} {prompt}"
-    head_dim: int = 32
-    head_hidden: int = 64
-    head_steps: int = 20  # Adam steps on the set-contrastive loss per RL step
-    lr: float = 1.0e-2
-    tau: float = 0.1
-
-
-@dataclass
 class TeacherConfig:
     """The teacher of on-policy distillation (``objective.distill: sampled_reverse_kl``): a HF
     checkpoint sharing the policy's vocabulary, run forward-only beside the learner; its logprobs of
@@ -172,22 +157,14 @@ class TeacherConfig:
 
 @dataclass
 class EnvironmentConfig:
-    """Multi-turn rollouts (megarl/trainer/multiturn.py). ``none``: one answer per sample. ``retry``:
-    a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``) as an observation
-    and another turn, up to ``max_turns``; the episode's outcome is its last answer's reward."""
+    """The rollout workflow (megarl/rollout/workflow.py ``WORKFLOWS``). ``none``: one answer per
+    sample. ``retry``: a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``)
+    as an observation and another turn, up to ``max_turns``; the episode's outcome is its last
+    answer's reward."""
 
-    name: Literal["none", "retry"] = "none"  # none: single-turn rollouts; retry: a wrong answer gets another turn
+    name: str = "none"  # a WORKFLOWS name: none (single-turn), retry (a wrong answer gets another turn)
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
-
-
-@dataclass
-class CreditConfig:
-    """Inputs the trainer derives for credit methods: DASH's answer commitments (``answer_pattern``,
-    a regex whose first group is the committed answer) and RRPO's anchors and head."""
-
-    answer_pattern: str = r"\\boxed\{([^{}]*)\}"
-    rrpo: RRPOConfig = field(default_factory=RRPOConfig)
 
 
 @dataclass
@@ -277,7 +254,8 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    credit: CreditConfig = field(default_factory=CreditConfig)
+    method: Optional[dict] = None  # {name: <built-in method>} or {import: "pkg.module:SPEC"}, plus its knobs
+    inputs: dict = field(default_factory=dict)  # knobs of batch-input providers: {<input name>: {<knob>: value}}
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -401,11 +379,38 @@ def from_dict(data: dict) -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"the config must be a mapping of sections, got {type(data).__name__}")
     data = dict(data)
+    if data.get("method") is not None:
+        data = _with_method_defaults(data)
     if "advantage" in data:
         data["advantage"] = _advantage_from_yaml(data["advantage"])
     cfg = _build(TrainConfig, data, "")
     validate(cfg)
     return cfg
+
+
+def _with_method_defaults(data: dict) -> dict:
+    """The method's config sections under the user's: a key the user sets wins, a key left unset
+    takes the method's own default (``MethodSpec.config``)."""
+    from megarl.catalogue import method_spec
+
+    section = data["method"]
+    if not isinstance(section, dict):
+        raise ConfigError(f"method must be a mapping with 'name' or 'import', got {section!r}")
+    try:
+        spec = method_spec(section)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return _merge_defaults(spec.config, data)
+
+
+def _merge_defaults(defaults: dict, data: dict) -> dict:
+    out = dict(data)
+    for k, v in defaults.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge_defaults(v, out[k])
+        elif out.get(k) is None:
+            out[k] = v
+    return out
 
 
 def _parse_override_value(text: str) -> Any:
@@ -457,8 +462,11 @@ def _positive(key: str, v: float, strict: bool = True) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that need no model: sizes, method names and their knobs."""
+    """Cross-field checks that need no model: sizes, part names and their knobs."""
     from megarl.advantages import ADVANTAGE_ESTIMATORS
+    from megarl.catalogue import load_builtin
+
+    load_builtin()
 
     s, r = cfg.schedule, cfg.rollout
     for key, v in (("schedule.steps", s.steps), ("schedule.prompts_per_step", s.prompts_per_step),
@@ -470,9 +478,6 @@ def validate(cfg: TrainConfig) -> None:
         _positive(key, v)
     _positive("warmup.sft_steps", cfg.warmup.sft_steps, strict=False)
     _positive("async_loop.max_staleness", cfg.async_loop.max_staleness, strict=False)
-    if cfg.async_loop.enabled and (cfg.reward.shaping is not None or cfg.advantage.estimator == "rrpo"):
-        raise ConfigError("async_loop.enabled=true: reward.shaping and advantage.estimator=rrpo are not supported "
-                          "by the asynchronous loop yet; disable one of them")
     if cfg.data.chat_template and cfg.model.tokenizer != "hf":
         raise ConfigError("data.chat_template=true needs model.tokenizer='hf' (a tokenizer with a chat template)")
     _positive("reward.timeout_s", cfg.reward.timeout_s)
@@ -527,10 +532,11 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def _check_method_inputs(cfg: TrainConfig) -> None:
-    """``reward.shaping`` (knobs checked by the shaper's signature), the judge and ``credit``."""
-    import re
-
+    """``reward.shaping`` (knobs checked by the shaper's signature), the judge, the workflow, the
+    ``inputs`` section (each provider checks its own knobs) and the ``method`` section's knobs."""
     from megarl.rewards.shaping import build_reward_shaping
+    from megarl.rollout.workflow import WORKFLOWS
+    from megarl.trainer.method_runtime import check_inputs_section, required_inputs
 
     if cfg.reward.shaping is not None:
         try:
@@ -539,13 +545,12 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
             raise ConfigError(str(e) if "reward.shaping" in str(e) else f"reward.shaping: {e}") from None
     _positive("reward.judge.timeout_s", cfg.reward.judge.timeout_s)
     _positive("environment.max_turns", cfg.environment.max_turns)
+    if cfg.environment.name not in WORKFLOWS:
+        raise ConfigError(f"environment.name={cfg.environment.name!r}; allowed: {', '.join(WORKFLOWS.names())}")
     d = cfg.objective.distill
     if d in ("forward_kl", "reverse_kl"):
         raise ConfigError(f"objective.distill={d!r} needs the teacher's full-vocabulary logits inside the loss, "
                           "which the trainer does not provide yet; use sampled_reverse_kl (teacher logprobs)")
-    if cfg.async_loop.enabled and cfg.environment.name != "none":
-        raise ConfigError(f"async_loop.enabled=true: environment.name={cfg.environment.name!r} is not supported yet "
-                          "(the asynchronous producer generates single-turn samples); use environment.name: none")
     try:
         cfg.environment.feedback.format(prompt="")
     except (KeyError, IndexError, ValueError) as e:
@@ -553,21 +558,30 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
                           f"({e!r})") from None
     _positive("reward.judge.max_new_tokens", cfg.reward.judge.max_new_tokens)
     try:
-        re.compile(cfg.credit.answer_pattern)
-    except re.error as e:
-        raise ConfigError(f"credit.answer_pattern={cfg.credit.answer_pattern!r} is not a regex: {e}") from None
-    rr = cfg.credit.rrpo
-    for key in ("anchors", "head_dim", "head_hidden", "head_steps", "lr", "tau"):
-        _positive(f"credit.rrpo.{key}", getattr(rr, key))
-    if cfg.advantage.estimator == "rrpo" and rr.anchors < 2:
-        raise ConfigError(f"credit.rrpo.anchors={rr.anchors} must be >= 2 (the set-contrastive loss needs 2 "
-                          "positive anchors)")
-    for key in ("positive_prompt", "negative_prompt"):
-        try:
-            getattr(rr, key).format(prompt="", answer="", wrong="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"credit.rrpo.{key}={getattr(rr, key)!r}: only {{prompt}}, {{answer}} and "
-                              f"{{wrong}} may be used ({e!r})") from None
+        spec = method_of(cfg)
+        required_inputs(cfg, spec)
+        check_inputs_section(cfg)
+        method_knobs(cfg, spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def method_of(cfg: TrainConfig):
+    """The run's ``MethodSpec`` (None when the config has no ``method`` section)."""
+    from megarl.catalogue import method_spec
+
+    return None if cfg.method is None else method_spec(cfg.method)
+
+
+def method_knobs(cfg: TrainConfig, spec) -> object:
+    """The method's knobs (the ``method`` section's keys other than ``name``/``import``), checked by
+    the method's knobs dataclass."""
+    from megarl.plugin.knobs import build_knobs
+
+    if spec is None:
+        return None
+    raw = {k: v for k, v in cfg.method.items() if k not in ("name", "import")}
+    return build_knobs(spec.knobs, raw, "method")
 
 
 def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int) -> None:

@@ -4,6 +4,8 @@ display (a bar with ETA on a terminal, plain lines in logs)."""
 
 from __future__ import annotations
 
+from megarl.rundir import read_metrics  # noqa: F401  (re-exported: the trainer's metrics API)
+
 import json
 import math
 import os
@@ -113,14 +115,6 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All records of ``run_dir/metrics.jsonl``."""
-    p = Path(run_dir) / "metrics.jsonl"
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
 def _duration(s: float) -> str:

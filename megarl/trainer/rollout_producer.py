@@ -2,11 +2,13 @@
 
 - ``ThreadEventLoop``: an asyncio loop in a daemon thread; every engine call of an async run goes
   through it (the trainer's ``run_until_complete`` included).
-- ``RolloutProducer``: builds the batch of each step on that loop, never more than
-  ``max_staleness`` policy versions ahead of the learner, applies the partial-rollout policy at
-  weight updates, and hands finished batches to the trainer thread through a queue.
-- ``SampleRecord`` / ``GroupRecord`` / ``ProducedBatch``: finished samples with their policy version,
-  and their JSON form for checkpoints.
+- ``GatedEngine``: the engine as the run's rollout collector sees it in an async run: requests wait
+  while a weight update is in progress, an aborted request is asked again (``partial_rollout:
+  abort``) or continued from its prefix with the new weights (``continue``), and every sample
+  carries the oldest policy version that generated it.
+- ``RolloutProducer``: runs the collector (the same sample -> generate -> score -> shape -> filter as
+  the synchronous loop) for each step on that loop, never more than ``max_staleness`` policy versions
+  ahead of the learner, and hands finished batches to the trainer thread through a queue.
 
 See megarl/trainer/async_loop.py for the versions, the bound and the update protocol.
 """
@@ -19,14 +21,13 @@ import queue
 import threading
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import Any
 
-from megarl.data.dataset import PromptRow
 from megarl.rollout.engine import RolloutEngine
-
-if TYPE_CHECKING:
-    from megarl.trainer.async_loop import AsyncTrainer
+from megarl.rollout.types import GenerateResult, Sample
+from megarl.rollout.workflow import version_of
+from megarl.trainer.rollouts import CollectedBatch
 
 
 def _log(msg: str) -> None:
@@ -79,67 +80,6 @@ class ThreadEventLoop:
             self._loop.close()
 
 
-class LockedRewards:
-    """A ``RewardComputer`` shared by the producer thread and the main thread (evaluation): one call
-    at a time (contained reward functions talk to one worker process over a pipe)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self._lock = threading.Lock()
-
-    @property
-    def names(self) -> list[str]:
-        return self.inner.names
-
-    def __call__(self, responses: list[str], answers: list[str]):
-        with self._lock:
-            return self.inner(responses, answers)
-
-    def close(self) -> None:
-        with self._lock:
-            self.inner.close()
-
-
-@dataclass
-class SampleRecord:
-    """One finished sample: ``token_ids``/``logprobs`` [R]; ``version``: the oldest version that
-    generated any of its tokens; ``mixed``: continued across a weight update."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    version: int
-    mixed: bool = False
-
-
-@dataclass
-class GroupRecord:
-    """The ``n`` samples of one prompt with their rewards."""
-
-    row: PromptRow
-    prompt_ids: list[int]
-    samples: list[SampleRecord]
-    rewards: list[float] = field(default_factory=list)
-    reward_dims: dict[str, list[float]] = field(default_factory=dict)
-    texts: list[str] = field(default_factory=list)
-    rnd: int = 0
-    index: int = 0
-
-    @property
-    def version(self) -> int:
-        """The group's oldest sample version (what the staleness bound is checked on)."""
-        return min(s.version for s in self.samples)
-
-
-@dataclass
-class ProducedBatch:
-    """The groups of one step as the producer made them, plus its rollout statistics."""
-
-    step: int
-    groups: list[GroupRecord]
-    stats: dict
-
-
 def staleness_of(versions: list[int], train_version: int) -> list[int]:
     """Per-sample staleness: ``train_version - version`` (>= 0 for every sample a loop produces)."""
     return [train_version - v for v in versions]
@@ -150,30 +90,90 @@ def too_stale(group_versions: list[int], train_version: int, max_staleness: int)
     return [i for i, v in enumerate(group_versions) if train_version - v > max_staleness]
 
 
-def _version_of(label: str | None, fallback: int) -> int:
-    try:
-        return int(label)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return fallback
+class GatedEngine:
+    """The engine behind the producer's gate (see the module docstring); other attributes are the
+    engine's own (``model``, ``max_model_len``, ...)."""
+
+    def __init__(self, engine: Any, partial: str, counters: dict, version: Any):
+        self.inner, self.partial, self.counters, self._version = engine, partial, counters, version
+        self.open = asyncio.Event()
+        self.open.set()
+        self.spanning: set[str] = set()  # request ids in flight across a kept (vLLM) weight update
+        self._request_ids = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def _request(self, prompt_ids: list[int], n: int, sampling: Any) -> GenerateResult:
+        """One engine request, started only while the gate is open; a request aborted before it
+        produced any token is simply asked again (after the update)."""
+        while True:
+            await self.open.wait()
+            self._request_ids += 1
+            rid = f"megarl-async-{id(self):x}-{self._request_ids}"
+            res = await self.inner.generate(prompt_ids, n=n, sampling=sampling, request_id=rid)
+            res.request_id = rid
+            if any(s.finish_reason != "abort" or s.token_ids for s in res.samples):
+                return res
+            self.counters["resubmitted_groups"] += 1
+
+    async def generate(self, prompt_ids: list[int], n: int = 1, sampling: Any = None, request_id: str | None = None,
+                       **kw: Any) -> GenerateResult:
+        """``n`` finished samples of ``prompt_ids``, each with ``weight_version`` = its oldest version
+        and ``meta["mixed"]`` when it was generated across a weight update."""
+        prompt_ids = list(prompt_ids)
+        while True:
+            res = await self._request(prompt_ids, n, sampling)
+            kept = res.request_id in self.spanning  # generated across a kept update: old and new weights
+            self.spanning.discard(res.request_id)
+            for s in res.samples:
+                v = version_of(s.weight_version)
+                s.weight_version = str(self._version() if v is None else v)
+                s.meta["mixed"] = kept
+            if all(s.finish_reason != "abort" for s in res.samples):
+                return res
+            if self.partial == "abort":
+                self.counters["resubmitted_groups"] += 1
+                continue
+            res.samples = list(await asyncio.gather(*[self._continue(prompt_ids, s, sampling, j)
+                                                      for j, s in enumerate(res.samples)]))
+            return res
+
+    async def _continue(self, prompt_ids: list[int], s: Sample, sp: Any, j: int) -> Sample:
+        """Continue an aborted sample from its prefix (new weights) until it finishes."""
+        while s.finish_reason == "abort":
+            left = sp.max_new_tokens - len(s.token_ids)
+            if left <= 0:
+                s.finish_reason = "length"
+                break
+            self.counters["continued_samples"] += 1
+            seed = None if sp.seed is None else (sp.seed * 31 + 7 * j + len(s.token_ids)) % (2 ** 31)
+            res = await self._request(prompt_ids + list(s.token_ids), 1,
+                                      dataclasses.replace(sp, max_new_tokens=left, seed=seed))
+            part = res.samples[0]
+            v = version_of(part.weight_version)
+            v = self._version() if v is None else v
+            old = int(s.weight_version)
+            mixed = bool(s.meta.get("mixed")) or (bool(s.token_ids) and v != old)
+            s = Sample(list(s.token_ids) + list(part.token_ids), list(s.logprobs) + [float(x) for x in part.logprobs],
+                       part.finish_reason, weight_version=str(min(old, v)), meta={"mixed": mixed})
+        return s
 
 
-# ----------------------------------------------------------------------------------------- producer
 class RolloutProducer:
-    """Generates the batches of steps ``first_step, first_step + 1, ...`` on the thread loop, never
-    more than ``max_staleness`` versions ahead of the learner; hands them over in ``batches``.
+    """Generates the batches of steps ``first_step, first_step + 1, ...`` with ``collector`` on the
+    thread loop, never more than ``max_staleness`` versions ahead of the learner; hands them over
+    in ``batches``. Every coroutine here runs on the producer's loop; the trainer calls them through
+    ``ThreadEventLoop.run_until_complete``. The sampler is touched only on that loop."""
 
-    Every coroutine here runs on the producer's loop; the trainer calls them through
-    ``ThreadEventLoop.run_until_complete``. The sampler is touched only on that loop.
-    """
-
-    def __init__(self, trainer: AsyncTrainer, first_step: int, version: int,
-                 restored: list[ProducedBatch] | None = None, counters: dict | None = None):
-        self.t = trainer
-        a = trainer.cfg.async_loop
-        self.max_staleness, self.partial = a.max_staleness, a.partial_rollout
-        self.total_steps = trainer.cfg.schedule.steps
-        self.batches: queue.Queue[ProducedBatch | BaseException] = queue.Queue()
-        self._queued: list[ProducedBatch] = []  # mirror of the queue's batches (for checkpoints)
+    def __init__(self, engine: Any, sampler: Any, max_staleness: int, partial: str, total_steps: int,
+                 first_step: int, version: int, restored: list[CollectedBatch] | None = None,
+                 counters: dict | None = None):
+        self.engine, self.sampler = engine, sampler
+        self.max_staleness, self.partial, self.total_steps = max_staleness, partial, total_steps
+        self.collector: Any = None
+        self.batches: queue.Queue[CollectedBatch | BaseException] = queue.Queue()
+        self._queued: list[CollectedBatch] = []  # mirror of the queue's batches (for checkpoints)
         for b in restored or []:
             self._put(b)
         self.next_step = first_step  # the step whose batch is generated now / next
@@ -182,29 +182,31 @@ class RolloutProducer:
                          "dropped_stale_groups": 0, "regenerated_groups": 0, "weight_updates": 0,
                          "kept_requests": 0}
         self.counters.update(counters or {})
+        self.gated: GatedEngine | None = None
         self._sampler_at_batch_start: dict | None = None
-        self._spanning: set[str] = set()  # request ids in flight across a kept (vLLM) weight update
-        self._request_ids = 0
-        self._open: asyncio.Event | None = None
         self._version_cond: asyncio.Condition | None = None
         self._task: asyncio.Task | None = None
 
-    def _put(self, b: ProducedBatch) -> None:
+    def gate(self, engine: Any) -> GatedEngine:
+        """The gated view of ``engine`` the collector generates through (made on the producer loop)."""
+        self.gated = GatedEngine(engine, self.partial, self.counters, lambda: self.version)
+        return self.gated
+
+    def _put(self, b: CollectedBatch) -> None:
         self._queued.append(b)
         self.batches.put(b)
 
-    def take(self, step: int, timeout_s: float = 5.0) -> ProducedBatch:
+    def take(self, step: int, timeout_s: float = 5.0) -> CollectedBatch:
         """Block (main thread) until the batch of ``step`` is ready; a producer failure is re-raised."""
         while True:
             try:
                 item = self.batches.get(timeout=timeout_s)
             except queue.Empty:
                 if self._task is not None and self._task.done() and self.batches.empty():
-                    raise RuntimeError("the rollout producer stopped without producing step "
-                                       f"{step}'s batch")
+                    raise RuntimeError(f"the rollout producer stopped without producing step {step}'s batch") from None
                 continue
             if isinstance(item, BaseException):
-                raise RuntimeError(f"the rollout producer failed: {item!r}") from item  # noqa: TRY004
+                raise RuntimeError(f"the rollout producer failed: {item!r}") from item
             self._queued.remove(item)
             if item.step != step:
                 raise RuntimeError(f"rollout producer handed over step {item.step}'s batch at step {step}")
@@ -213,59 +215,52 @@ class RolloutProducer:
     # ------------------------------------------------------------------- control (producer loop)
     async def start(self) -> None:
         """Start producing (on the producer loop)."""
-        self._open = asyncio.Event()
-        self._open.set()
         self._version_cond = asyncio.Condition()
         self._task = asyncio.get_running_loop().create_task(self._main())
 
     async def before_update(self) -> None:
         """Close the gate, hold new requests in the engine client and abort the ones in flight."""
-        self._open.clear()
-        engine = self.t.engine
+        self.gated.open.clear()
         # the base class's client-side pause only (a server-side pause is the weight update's business)
-        await RolloutEngine.pause(engine)
-        self.counters["aborted_requests"] += await engine.abort()
+        await RolloutEngine.pause(self.engine)
+        self.counters["aborted_requests"] += await self.engine.abort()
 
     async def after_update(self, version: int) -> None:
         """The engine serves ``version`` now: release held requests and the gate."""
-        await RolloutEngine.resume(self.t.engine)
+        await RolloutEngine.resume(self.engine)
         self.counters["weight_updates"] += 1
         async with self._version_cond:
             self.version = version
             self._version_cond.notify_all()
-        self._open.set()
+        self.gated.open.set()
 
     async def update_keeping(self, weights_dir: str, version: int) -> None:
         """vLLM, ``partial_rollout: continue``: the server keeps its requests frozen across the reload
         of ``weights_dir`` (they finish with the new weights); then ``version`` is served."""
-        self._open.clear()
+        self.gated.open.clear()
 
         def frozen(request_ids: list[str]) -> None:  # generated across the update: old and new weights
-            self._spanning.update(request_ids)
+            self.gated.spanning.update(request_ids)
             self.counters["kept_requests"] += len(request_ids)
 
-        await self.t.engine.update_weights_keeping_requests(weights_dir, str(version), frozen)
+        await self.engine.update_weights_keeping_requests(weights_dir, str(version), frozen)
         await self.after_update(version)
 
     async def stop(self) -> None:
         """Stop producing and abort what is in flight."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
-            await self.t.engine.abort()
+            await self.engine.abort()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def snapshot(self) -> dict:
         """The producer's state for a checkpoint (on the loop, so the sampler is not moving)."""
-        sampler = self._sampler_at_batch_start or self.t.sampler.state_dict()
+        from megarl.trainer.rollouts import batch_to_json
+
+        sampler = self._sampler_at_batch_start or self.sampler.state_dict()
         return {"queued": [batch_to_json(b) for b in self._queued], "next_step": self.next_step,
                 "sampler": sampler, "counters": dict(self.counters), "version": self.version,
                 "max_staleness": self.max_staleness}
-
-    async def regenerate(self, group: GroupRecord, step: int) -> GroupRecord:
-        """Generate ``group``'s prompt again with the current weights (a group found too stale)."""
-        new = await self._group(group.row, group.prompt_ids, step, rnd=100 + group.rnd, index=group.index)
-        await self._score([new])
-        return new
 
     # ------------------------------------------------------------------- production
     async def _main(self) -> None:
@@ -274,8 +269,10 @@ class RolloutProducer:
                 s = self.next_step
                 async with self._version_cond:
                     await self._version_cond.wait_for(lambda s=s: self.version >= s - 1 - self.max_staleness)
-                self._sampler_at_batch_start = self.t.sampler.state_dict()
-                b = await self._make_batch(s)
+                self._sampler_at_batch_start = self.sampler.state_dict()
+                t0 = time.time()
+                b = await self.collector.collect(s)
+                b.stats["gen_time"] = time.time() - t0 - b.stats["reward_time"]
                 self.next_step = s + 1
                 self._sampler_at_batch_start = None
                 self._put(b)
@@ -283,119 +280,3 @@ class RolloutProducer:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which re-raises
             self.batches.put(e)
-
-    async def _make_batch(self, step: int) -> ProducedBatch:
-        t, cfg = self.t, self.t.cfg
-        want = cfg.schedule.prompts_per_step
-        stats = {"gen_tokens": 0, "gen_time": 0.0, "reward_time": 0.0, "groups_seen": 0, "groups_zero_var": 0,
-                 "rounds": 0, "errors": 0, "timeouts": 0}
-        kept: list[GroupRecord] = []
-        rnd = 0
-        t_start = time.time()
-        while True:
-            rows = [t.train_ds.rows[i] for i in t.sampler.next_indices(want - len(kept))]
-            groups = await asyncio.gather(*[self._group(row, t.tok.encode(row.prompt), step, rnd, i)
-                                            for i, row in enumerate(rows)])
-            t0 = time.time()
-            rr = await self._score(groups)
-            stats["reward_time"] += time.time() - t0
-            stats["errors"] += rr.errors
-            stats["timeouts"] += rr.timeouts
-            for f in rr.failures[:2]:
-                _log(f"megarl train: reward failure contained ({f}); fallback {cfg.reward.fallback}")
-            for g in groups:
-                stats["gen_tokens"] += sum(len(s.token_ids) for s in g.samples)
-                stats["groups_seen"] += 1
-                zero_var = len(set(g.rewards)) == 1
-                stats["groups_zero_var"] += int(zero_var)
-                if not (cfg.sampling.dynamic and zero_var):
-                    kept.append(g)
-            rnd += 1
-            stats["rounds"] = rnd
-            if not cfg.sampling.dynamic or len(kept) >= want or rnd >= cfg.sampling.max_rounds:
-                break
-        stats["gen_time"] = time.time() - t_start - stats["reward_time"]
-        return ProducedBatch(step=step, groups=kept, stats=stats)
-
-    async def _score(self, groups: list[GroupRecord]):
-        t = self.t
-        texts = [t.tok.decode(s.token_ids) for g in groups for s in g.samples]
-        answers = [g.row.answer for g in groups for _ in g.samples]
-        rr = await asyncio.to_thread(t.rewards, texts, answers)
-        i = 0
-        for g in groups:
-            k = len(g.samples)
-            g.texts = texts[i:i + k]
-            g.rewards = rr.scalar[i:i + k].tolist()
-            g.reward_dims = {name: v[i:i + k].tolist() for name, v in rr.dims.items()}
-            i += k
-        return rr
-
-    async def _request(self, prompt_ids: list[int], n: int, sampling):
-        """One engine request, started only while the gate is open; a request aborted before it
-        produced any token is simply asked again (after the update)."""
-        while True:
-            await self._open.wait()
-            self._request_ids += 1
-            rid = f"megarl-async-{id(self):x}-{self._request_ids}"
-            res = await self.t.engine.generate(prompt_ids, n=n, sampling=sampling, request_id=rid)
-            res.request_id = rid
-            if any(s.finish_reason != "abort" or s.token_ids for s in res.samples):
-                return res
-            self.counters["resubmitted_groups"] += 1
-
-    async def _group(self, row: PromptRow, prompt_ids: list[int], step: int, rnd: int, index: int) -> GroupRecord:
-        """The ``n`` samples of one prompt, with the partial-rollout policy at weight updates."""
-        t = self.t
-        n = t.cfg.rollout.n
-        sp = t._sampling_params(step, rnd, index)
-        while True:
-            res = await self._request(prompt_ids, n, sp)
-            kept = res.request_id in self._spanning  # generated across a kept update: old and new weights
-            self._spanning.discard(res.request_id)
-            samples = [SampleRecord(list(s.token_ids), [float(x) for x in s.logprobs], s.finish_reason,
-                                    _version_of(s.weight_version, self.version), mixed=kept)
-                       for s in res.samples]
-            if all(s.finish_reason != "abort" for s in samples):
-                return GroupRecord(row, prompt_ids, samples, rnd=rnd, index=index)
-            if self.partial == "abort":
-                self.counters["resubmitted_groups"] += 1
-                continue
-            done = await asyncio.gather(*[self._continue(prompt_ids, s, sp, j) for j, s in enumerate(samples)])
-            return GroupRecord(row, prompt_ids, list(done), rnd=rnd, index=index)
-
-    async def _continue(self, prompt_ids: list[int], s: SampleRecord, sp, j: int) -> SampleRecord:
-        """Continue an aborted sample from its prefix (new weights) until it finishes."""
-        import dataclasses
-
-        while s.finish_reason == "abort":
-            left = sp.max_new_tokens - len(s.token_ids)
-            if left <= 0:
-                s.finish_reason = "length"
-                break
-            self.counters["continued_samples"] += 1
-            seed = None if sp.seed is None else (sp.seed * 31 + 7 * j + len(s.token_ids)) % (2 ** 31)
-            res = await self._request(prompt_ids + s.token_ids, 1,
-                                      dataclasses.replace(sp, max_new_tokens=left, seed=seed))
-            part = res.samples[0]
-            v = _version_of(part.weight_version, self.version)
-            s = SampleRecord(s.token_ids + list(part.token_ids), s.logprobs + [float(x) for x in part.logprobs],
-                             part.finish_reason, min(s.version, v), mixed=s.mixed or (bool(s.token_ids)
-                                                                                       and v != s.version))
-        return s
-
-
-def batch_to_json(b: ProducedBatch) -> dict:
-    """A produced batch as plain JSON data (checkpoints)."""
-    return {"step": b.step, "stats": b.stats, "groups": [{
-        "row": [g.row.prompt, g.row.answer, g.row.task, g.row.source], "prompt_ids": g.prompt_ids,
-        "rewards": g.rewards, "reward_dims": g.reward_dims, "texts": g.texts, "rnd": g.rnd, "index": g.index,
-        "samples": [[s.token_ids, s.logprobs, s.finish_reason, s.version, s.mixed] for s in g.samples]}
-        for g in b.groups]}
-
-
-def batch_from_json(d: dict) -> ProducedBatch:
-    """The inverse of ``batch_to_json``."""
-    groups = [GroupRecord(PromptRow(*g["row"]), g["prompt_ids"], [SampleRecord(*s) for s in g["samples"]],
-                          g["rewards"], g["reward_dims"], g["texts"], g["rnd"], g["index"]) for g in d["groups"]]
-    return ProducedBatch(step=d["step"], groups=groups, stats=d["stats"])

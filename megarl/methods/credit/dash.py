@@ -13,8 +13,10 @@ from typing import Sequence
 
 import torch
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, _scalar_rewards, grpo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, scalar_rewards, grpo
 from megarl.ops.segments import broadcast_to_tokens
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 BOXED = r"\\boxed\{([^{}]*)\}"
 
@@ -72,13 +74,17 @@ def dash_token_advantages(base: torch.Tensor, ends: torch.Tensor, correct: torch
     return broadcast_to_tokens(base, cu_seqlens) + torch.where(n[seq] > 0, shift, torch.zeros_like(shift))
 
 
-@ADVANTAGE_ESTIMATORS.register("dash")
 def _dash(batch, beta: float = 0.5, beta_drift: float = 0.5) -> torch.Tensor:
     """DASH on the loss tokens; sequences without checkpoints keep the GRPO advantage. [T]"""
     for key in ("dash_ends", "dash_correct"):
         if key not in batch.extras:
             raise ValueError(f"advantage_estimator=dash needs batch.extras['{key}'] (see answer_checkpoints)")
-    base = grpo(_scalar_rewards(batch), batch.group_ids)
+    base = grpo(scalar_rewards(batch), batch.group_ids)
     adv = dash_token_advantages(base, batch.extras["dash_ends"], batch.extras["dash_correct"], batch.cu_seqlens,
                                 beta, beta_drift)
     return adv * batch.loss_mask.double()
+
+ADVANTAGE_ESTIMATORS.add("dash", _dash, PartInfo(batch_inputs=("answer_checkpoints",)))
+
+SPEC = MethodSpec(name="dash", summary="DASH: segment credit from intermediate answer commitments", provenance="reconstructed",
+                  config={"advantage": {"estimator": "dash"}})

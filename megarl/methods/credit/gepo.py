@@ -17,8 +17,10 @@ from typing import Optional
 
 import torch
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, _per_token, _scalar_rewards, grpo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token, scalar_rewards, grpo
 from megarl.ops.segments import _dense_groups, segment_sum
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 
 @dataclass
@@ -34,6 +36,12 @@ class GEPOHistory:
 
     def load_state_dict(self, d: dict) -> None:
         self.mean, self.sq, self.beta = d["mean"], d["sq"], d["beta"]
+
+    def metrics(self) -> dict[str, float]:
+        """The thresholds' running mean and std ({} before the first batch)."""
+        if self.mean is None or self.sq is None:
+            return {}
+        return {"adv/gepo_h_mean": float(self.mean), "adv/gepo_h_std": float(max(self.sq - self.mean ** 2, 0.0) ** 0.5)}
 
 
 def group_entropy(entropies: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -72,7 +80,6 @@ def gepo(rewards: torch.Tensor, group_ids: torch.Tensor, h_seq: torch.Tensor, hi
     return adv
 
 
-@ADVANTAGE_ESTIMATORS.register("gepo")
 def _gepo(batch, k: float = 0.5, beta: float = 0.9, eps: float = 1e-6,
           state: Optional[GEPOHistory] = None) -> torch.Tensor:
     """GEPO on every loss token; ``state`` (kept by the caller across steps) defaults to a fresh one."""
@@ -81,7 +88,9 @@ def _gepo(batch, k: float = 0.5, beta: float = 0.9, eps: float = 1e-6,
     if state is None:
         state = GEPOHistory(beta=beta)
     h = group_entropy(batch.entropies, batch.loss_mask, batch.cu_seqlens, batch.group_ids)
-    return _per_token(batch, gepo(_scalar_rewards(batch), batch.group_ids, h, state, k, eps))
+    return per_token(batch, gepo(scalar_rewards(batch), batch.group_ids, h, state, k, eps))
 
+ADVANTAGE_ESTIMATORS.add("gepo", _gepo, PartInfo(batch_inputs=("entropies",), make_state=lambda k=0.5, beta=0.9, eps=1e-6: GEPOHistory(beta=beta)))
 
-_gepo.make_state = lambda k=0.5, beta=0.9, eps=1e-6: GEPOHistory(beta=beta)
+SPEC = MethodSpec(name="gepo", summary="GEPO: GRPO advantages attenuated by the group's entropy", provenance="reconstructed",
+                  config={"advantage": {"estimator": "gepo"}})

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, _per_token, _scalar_rewards
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token, scalar_rewards
 from megarl.ops.segments import _dense_groups, group_all_equal
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 
 def softmax_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -25,7 +27,11 @@ def softmax_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, temperature: fl
     return torch.where(group_all_equal(rewards, group_ids), torch.zeros_like(adv), adv)
 
 
-@ADVANTAGE_ESTIMATORS.register("softmax_grpo")
 def _softmax_grpo(batch, temperature: float = 1.0) -> torch.Tensor:
     """SoftmaxGRPO on every loss token of each sequence; [T]."""
-    return _per_token(batch, softmax_grpo(_scalar_rewards(batch), batch.group_ids, temperature))
+    return per_token(batch, softmax_grpo(scalar_rewards(batch), batch.group_ids, temperature))
+
+ADVANTAGE_ESTIMATORS.add("softmax_grpo", _softmax_grpo, PartInfo())
+
+SPEC = MethodSpec(name="softmax_grpo", summary="SoftmaxGRPO: softmax-weighted group advantages", provenance="reconstructed",
+                  config={"advantage": {"estimator": "softmax_grpo"}})

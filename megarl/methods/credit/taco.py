@@ -17,6 +17,8 @@ import math
 import torch
 
 from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 
 def taco_weights(logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01, lam: float = 0.9) -> torch.Tensor:
@@ -46,6 +48,7 @@ def taco(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, du
     return POLICY_LOSSES.get(base)(logp, old_logp, shaped, mask, cu_seqlens, clip_low, clip_high, dual_clip,
                                    **base_args)
 
+POLICY_LOSSES.add("taco", taco, PartInfo(needs_entropy=True))
 
-taco.needs_entropy = True
-POLICY_LOSSES.register("taco")(taco)
+SPEC = MethodSpec(name="taco", summary="TACO: token advantages weighted by confidence and entropy", provenance="code",
+                  config={"objective": {"policy_loss": "taco"}})

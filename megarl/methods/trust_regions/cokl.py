@@ -27,6 +27,8 @@ from megarl.batch import PackedBatch
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops import comm
 from megarl.ops.segments import broadcast_to_tokens, segment_sum
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 VALUE, WEIGHT = "cokl_value", "cokl_grad_weight"
 
@@ -97,7 +99,6 @@ def prepare(batch: PackedBatch, dp_group: Any, state: Any = None, *, correct_thr
     return dataclasses.replace(batch, extras={**batch.extras, VALUE: value / k, WEIGHT: weight / k})
 
 
-@REGULARISERS.register("cokl")
 def cokl(logits, logp, old_logp, batch: PackedBatch, ctx, **knobs) -> torch.Tensor:
     """This micro-batch's CoKL contribution (a scalar; see the module docstring)."""
     if VALUE not in batch.extras or WEIGHT not in batch.extras:
@@ -107,6 +108,7 @@ def cokl(logits, logp, old_logp, batch: PackedBatch, ctx, **knobs) -> torch.Tens
     m = batch.loss_mask.to(logp.dtype)
     return batch.extras[VALUE].to(logp.dtype).sum() + (m * w * (logp - old_logp)).sum()
 
+REGULARISERS.add("cokl", cokl, PartInfo(batch_inputs=("ref_logprobs",), prepare=prepare, aggregates_itself=True))
 
-cokl.prepare = prepare
-cokl.aggregates_itself = True
+SPEC = MethodSpec(name="cokl", summary="CoKL: a group-contrastive KL regulariser to the reference", provenance="reconstructed",
+                  config={"objective": {"regularisers": [{"name": "cokl", "coef": 0.1}]}})

@@ -20,6 +20,8 @@ from megarl.batch import PackedBatch
 from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.ops import comm
 from megarl.ops.segments import broadcast_to_tokens, segment_sum
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 SCALE = "eppo_scale"
 
@@ -124,7 +126,6 @@ def _token_scale(batch: PackedBatch, cu_seqlens, dtype):
     return broadcast_to_tokens(batch.extras[SCALE].to(dtype), cu_seqlens)
 
 
-@POLICY_LOSSES.register("eppo")
 def eppo(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
          batch: PackedBatch, ctx=None, adapt_low: bool = True, **_) -> torch.Tensor:
     """PPO clip with bounds (1 − ε_l·c_k, 1 + ε_h·c_k) of the sample's task k; [T] -> [T]."""
@@ -142,8 +143,7 @@ def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_hig
     """Mean task clip multiplier per token."""
     return {"clip_scale": _token_scale(batch, cu_seqlens, logp.dtype)}
 
+POLICY_LOSSES.add("eppo", eppo, PartInfo(batch_inputs=("entropies",), needs_context=True, make_state=make_state, prepare=prepare, token_metrics=_token_metrics))
 
-eppo.needs_context = True
-eppo.make_state = make_state
-eppo.prepare = prepare
-eppo.token_metrics = _token_metrics
+SPEC = MethodSpec(name="eppo", summary="EPPO: task-wise clip ranges from running task entropies", provenance="reconstructed",
+                  config={"objective": {"policy_loss": "eppo"}})

@@ -13,6 +13,8 @@ import torch
 
 from megarl.batch import PackedBatch
 from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 
 def _check(eps: float, kappa: float, h_min: float, is_cap: float) -> None:
@@ -33,7 +35,6 @@ def _deviation_and_keep(logp, old_logp, batch, entropy, eps, kappa, h_min):
     return delta, keep
 
 
-@POLICY_LOSSES.register("estr")
 def estr(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
          batch: PackedBatch, ctx=None, entropy: torch.Tensor | None = None, eps: float = 0.5,
          kappa: float = 1.0, h_min: float = 0.05, is_cap: float = 2.0) -> torch.Tensor:
@@ -51,9 +52,6 @@ def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_hig
     return {"masked_frac": (~keep).to(logp.dtype), "deviation_abs": delta.abs()}
 
 
-estr.needs_context = True
-estr.needs_entropy = True
-estr.token_metrics = _token_metrics
 
 
 def calibrate_kappa(delta: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, h_min: float = 0.05) -> float:
@@ -64,3 +62,8 @@ def calibrate_kappa(delta: torch.Tensor, entropy: torch.Tensor, mask: torch.Tens
     y = torch.log(delta[keep].double().abs())
     xc = x - x.mean()
     return float((xc * (y - y.mean())).sum() / (xc * xc).sum().clamp(min=1e-300))
+
+POLICY_LOSSES.add("estr", estr, PartInfo(needs_context=True, needs_entropy=True, token_metrics=_token_metrics))
+
+SPEC = MethodSpec(name="estr", summary="ESTR: an entropy-scaled trust region on the sampled token", provenance="reconstructed",
+                  config={"objective": {"policy_loss": "estr"}})

@@ -17,6 +17,8 @@ from megarl.batch import PackedBatch
 from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.ops import comm
 from megarl.ops.segments import broadcast_to_tokens, segment_masked_mean, segment_sum
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 SCALE = "gapo_scale"
 
@@ -48,7 +50,6 @@ def bounds(batch: PackedBatch, clip_low: float, clip_high: float, eps_min: float
     return lo, hi
 
 
-@POLICY_LOSSES.register("gapo")
 def gapo(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
          batch: PackedBatch, ctx=None, kappa: float = 1.0, eps_min: float = 0.1, eps_max: float = 1.0,
          adapt_low: bool = True, surrogate: str = "ppo") -> torch.Tensor:
@@ -74,7 +75,7 @@ def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_hig
     lo, hi = bounds(batch, clip_low, clip_high, eps_min, eps_max, adapt_low, logp.dtype)
     return {"clip_low": broadcast_to_tokens(lo, cu_seqlens), "clip_high": broadcast_to_tokens(hi, cu_seqlens)}
 
+POLICY_LOSSES.add("gapo", gapo, PartInfo(needs_context=True, prepare=prepare, token_metrics=_token_metrics))
 
-gapo.needs_context = True
-gapo.prepare = prepare
-gapo.token_metrics = _token_metrics
+SPEC = MethodSpec(name="gapo", summary="GAPO: clip bounds adapted to the group's advantage scale", provenance="reconstructed",
+                  config={"objective": {"policy_loss": "gapo"}})

@@ -11,6 +11,8 @@ import math
 import torch
 
 from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 
 def _residual(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, margin: float) -> torch.Tensor:
@@ -24,7 +26,6 @@ def _check(margin: float, adv_power: float) -> None:
         raise ValueError(f"output_reset: policy_loss_args.adv_power={adv_power!r} must be >= 0")
 
 
-@POLICY_LOSSES.register("output_reset")
 def output_reset(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
                  margin: float = math.log(1.2), adv_power: float = 1.0) -> torch.Tensor:
     """½·|A|^p·max(0, m − sign(A)(logp − old))² per token ([T] -> [T]); clip_* and dual_clip are unused."""
@@ -42,5 +43,7 @@ def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_hig
             "overshoot_frac": ((torch.sign(adv) * lr > margin) & moving).to(logp.dtype),
             "log_ratio_abs": lr.abs()}
 
+POLICY_LOSSES.add("output_reset", output_reset, PartInfo(token_metrics=_token_metrics))
 
-output_reset.token_metrics = _token_metrics
+SPEC = MethodSpec(name="output_reset", summary="Output Reset: a residual that pulls over-moved outputs back", provenance="reconstructed",
+                  config={"objective": {"policy_loss": "output_reset"}})

@@ -10,6 +10,8 @@ import torch
 
 from megarl.batch import PackedBatch
 from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.registry import PartInfo
+from megarl.plugin.spec import MethodSpec
 
 
 def _ratio_and_keep(logp, old_logp, batch, clip_low, clip_high):
@@ -19,7 +21,6 @@ def _ratio_and_keep(logp, old_logp, batch, clip_low, clip_high):
     return r, (rd >= 1 - clip_low) & (rd <= 1 + clip_high)
 
 
-@POLICY_LOSSES.register("sao_clip")
 def sao_clip(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
              batch: PackedBatch, ctx=None) -> torch.Tensor:
     """−1[1−ε_l ≤ r ≤ 1+ε_h]·r·A per token, r = π_θ/π_behaviour ([T] -> [T]); dual_clip unused."""
@@ -33,6 +34,7 @@ def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_hig
     _, keep = _ratio_and_keep(logp, old_logp, batch, clip_low, clip_high)
     return {"out_of_band_frac": (~keep).to(logp.dtype)}
 
+POLICY_LOSSES.add("sao_clip", sao_clip, PartInfo(needs_context=True, token_metrics=_token_metrics))
 
-sao_clip.needs_context = True
-sao_clip.token_metrics = _token_metrics
+SPEC = MethodSpec(name="sao", summary="SAO's clipping: ratio clip on the sequences it keeps", provenance="reconstructed",
+                  config={"objective": {"policy_loss": "sao_clip"}})

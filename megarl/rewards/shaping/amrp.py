@@ -14,6 +14,9 @@ import torch
 
 from megarl.ops import comm
 from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.spec import MethodSpec
+from megarl.rewards.shaping.base import RoundShaper
+from megarl.plugin.rounds import RolloutRound, RoundResult
 
 
 def floor_weights(w: torch.Tensor, w_min: float) -> torch.Tensor:
@@ -32,7 +35,7 @@ def floor_weights(w: torch.Tensor, w_min: float) -> torch.Tensor:
 
 
 @REWARD_SHAPERS.register("amrp")
-class AMRP:
+class AMRP(RoundShaper):
     """Adaptive multi-reward projection; see the module docstring. ``weights``: current w [K]."""
 
     def __init__(self, beta: float = 0.9, window: int = 10, a: float = 1.0, b: float = 1.0, tau: float = 0.5,
@@ -119,8 +122,19 @@ class AMRP:
                                torch.zeros_like(r))
         return norm @ st["w"]
 
+    async def shape_round(self, r: RolloutRound, env: Any) -> RoundResult:
+        """AMRP over the round's reward vector (the named dimensions, in config order)."""
+        from megarl.rewards.shaping.processor import dims_matrix
+
+        shaped = self(dims_matrix(r))
+        return RoundResult(shaped, metrics={f"shaping/amrp/w/{k}": float(self.weights[i])
+                                            for i, k in enumerate(r.weights)})
+
     def state_dict(self) -> dict:
         return {k: v.clone() for k, v in self.state.items()}
 
     def load_state_dict(self, state: dict) -> None:
         self.state = {k: v.clone() for k, v in state.items()}
+
+SPEC = MethodSpec(name="amrp", summary="AMRP: adaptive weights over reward dimensions", provenance="reconstructed",
+                  config={"reward": {"shaping": {"name": "amrp"}}})

@@ -25,6 +25,10 @@ import torch
 
 from megarl.rewards.shaping.judge import LLMJudge, MalformedJudgeOutput, parse_preference, parse_score
 from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.spec import MethodSpec
+from megarl.rewards.shaping.base import RoundShaper
+from megarl.plugin.rounds import RolloutRound, RoundResult
+from typing import Any
 
 PREFERENCE_PROMPT = ("Question:\n{prompt}\n\nResponse A:\n{a}\n\nResponse B:\n{b}\n\nWhich response is better "
                      "overall? Answer 'winner: A' or 'winner: B'.\n")
@@ -90,8 +94,18 @@ class Rubric:
             self.variance = [0.0] * len(self.criteria)
 
 
+async def _judged(judge: LLMJudge, prompt: str, criteria: Sequence[str], responses: Sequence[str]
+                  ) -> torch.Tensor:
+    """[len(responses), len(criteria)] judge scores in [0, 1] (0 where a call fails)."""
+    if not criteria:
+        return torch.zeros(len(responses), 0, dtype=torch.float64)
+    res = await judge.ask_many([CRITERION_PROMPT.format(prompt=prompt, criterion=c, response=y)
+                                for y in responses for c in criteria], parse_score)
+    vals = [x.value if x.error is None else 0.0 for x in res]
+    return torch.tensor(vals, dtype=torch.float64).view(len(responses), len(criteria))
+
 @REWARD_SHAPERS.register("care")
-class CARE:
+class CARE(RoundShaper):
     """Rubric store and evolution step; ``reward`` scores a group with the current rubric version."""
 
     def __init__(self, k_max: int = 12, new_weight: float = 1.0, variance_beta: float = 0.9, evolve: bool = True):
@@ -157,6 +171,42 @@ class CARE:
             rub.version += 1
         return branch
 
+    needs_judge = True
+
+    def check_weights(self, weights: dict[str, float]) -> None:
+        """The reward weights are the initial rubric's weights: they must be >= 0."""
+        if any(w < 0 for w in weights.values()):
+            raise ValueError("reward.shaping.name='care': reward.functions weights must be >= 0 (rubric weights)")
+
+    async def shape_round(self, r: RolloutRound, env: Any) -> RoundResult:
+        """Each prompt's rubric starts as the reward dimensions (weights as criterion weights); the
+        anchor response y* is the ground-truth answer (quickstart stand-in); criteria the evolver
+        added are scored by the judge (0 when a call fails)."""
+        from megarl.rewards.shaping.processor import dims_matrix
+
+        names = list(r.weights)
+        K0 = len(names)
+        base = dims_matrix(r)
+        out = torch.zeros(len(r.texts), dtype=torch.float64)
+        branches: dict[str, int] = {}
+        for g, (prompt, answer, uid) in enumerate(zip(r.prompts, r.answers, r.uids)):
+            if uid not in self.rubrics:
+                self.add_prompt(uid, names, [r.weights[k] for k in names], anchor=answer)
+            rub = self.rubrics[uid]
+            sl = slice(g * r.n, (g + 1) * r.n)
+            texts = r.texts[sl]
+            anchor_dims = env.score_anchor(answer)
+            extra = rub.criteria[K0:]
+            scores = torch.cat([base[sl], await _judged(env.judge, prompt, extra, texts)], 1)
+            anchor = torch.cat([torch.tensor([anchor_dims[k] for k in names], dtype=torch.float64),
+                                (await _judged(env.judge, prompt, extra, [answer]))[0]])
+            out[sl] = self.reward(uid, scores)
+            b = await self.evolve(uid, prompt, texts, scores, anchor, env.judge)
+            branches[b] = branches.get(b, 0) + 1
+        m = {f"shaping/care/branch_{k}": float(v) for k, v in branches.items()}
+        m["shaping/care/criteria_mean"] = float(sum(len(self.rubrics[u].criteria) for u in r.uids) / len(r.uids))
+        return RoundResult(out, metrics=m)
+
     def state_dict(self) -> dict:
         return {"rubrics": {u: vars(r).copy() for u, r in self.rubrics.items()}, "anchors": dict(self.anchors)}
 
@@ -164,3 +214,6 @@ class CARE:
         self.rubrics = {u: Rubric(**{k: (list(v) if isinstance(v, list) else v) for k, v in r.items()})
                         for u, r in state["rubrics"].items()}
         self.anchors = dict(state["anchors"])
+
+SPEC = MethodSpec(name="care", summary="CARE: per-prompt rubrics evolved with an LLM judge", provenance="reconstructed",
+                  config={"reward": {"shaping": {"name": "care"}}})

@@ -10,6 +10,11 @@ import torch
 
 from megarl.rewards.shaping.judge import LLMJudge, parse_score, parse_verdicts
 from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.spec import MethodSpec
+from megarl.rewards.shaping.base import RoundShaper
+from megarl.plugin.rounds import RolloutRound, RoundResult
+import re
+from typing import Any
 
 COVERAGE_PROMPT = ("Evidence items:\n{items}\n\nExplanation:\n{response}\n\nFor each evidence item say whether the "
                    "explanation accounts for it. Answer one line per item as '<number>: yes' or '<number>: no'.\n")
@@ -23,8 +28,12 @@ def substring_coverage(response: str, evidence: Sequence[str]) -> list[int]:
     return [int(e.lower().strip() in low) for e in evidence]
 
 
+def evidence_items(prompt: str) -> list[str]:
+    """Quickstart stand-in for CEDAR's evidence: the prompt's distinct digits, in order."""
+    return list(dict.fromkeys(re.findall(r"\d", prompt)))
+
 @REWARD_SHAPERS.register("cedar")
-class CEDARReward:
+class CEDARReward(RoundShaper):
     """``reward(correct [B], covered [B, M], valid [B, M], direction [B]) -> R [B]``.
 
     gate: ``none`` (process terms always count), ``correct_only`` (only when a = 1) or ``reduced``
@@ -86,8 +95,26 @@ class CEDARReward:
                 direction[i] = r.value
         return covered, valid, direction
 
+    needs_judge = True
+
+    async def shape_round(self, r: RolloutRound, env: Any) -> RoundResult:
+        """Correctness is the first reward dimension (>= 1); the evidence items are the prompt's
+        distinct digits (quickstart stand-in, ``evidence_items``); coverage and direction are judged."""
+        first = next(iter(r.weights))
+        correct = (r.dims[first] >= 1.0).double()
+        evidence = [evidence_items(p) for p in r.prompts for _ in range(r.n)]
+        covered, valid, direction = await self.judge_inputs(env.judge, r.texts, evidence)
+        shaped = self(correct, covered, valid, direction)
+        m = valid.double()
+        cov = float(((covered * m).sum(1) / m.sum(1).clamp(min=1)).mean())
+        return RoundResult(shaped, metrics={"shaping/cedar/coverage": cov,
+                                            "shaping/cedar/direction": float(direction.mean())})
+
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+SPEC = MethodSpec(name="cedar", summary="CEDAR-GRPO: correctness plus judged evidence coverage", provenance="reconstructed",
+                  config={"reward": {"shaping": {"name": "cedar"}}})

@@ -120,3 +120,33 @@ class LLMJudge:
     def ask_many_sync(self, prompts: Sequence[str], parse: Callable[[str], Any]) -> list[JudgeResult]:
         """``ask_many`` from synchronous code (runs its own event loop)."""
         return asyncio.run(self.ask_many(prompts, parse))
+
+
+class JudgeTokenizer:
+    """The policy's tokenizer for judge prompts: characters it cannot encode are dropped (a
+    character-level tiny model cannot read English; the judge plumbing still runs end to end) and
+    the prompt keeps its first token (BOS) and its last ``max_prompt_tokens - 1`` tokens."""
+
+    def __init__(self, tok: Any, max_prompt_tokens: int):
+        self.tok, self.max_prompt_tokens = tok, max(2, max_prompt_tokens)
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        """Token ids of ``text`` (unencodable characters dropped, cut to the budget)."""
+        try:
+            ids = list(self.tok.encode(text))
+        except ValueError:
+            kept = []
+            for c in text:
+                try:
+                    self.tok.encode(c, bos=False)
+                    kept.append(c)
+                except ValueError:
+                    pass
+            ids = list(self.tok.encode("".join(kept)))
+        if len(ids) > self.max_prompt_tokens:
+            ids = ids[:1] + ids[-(self.max_prompt_tokens - 1):]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The policy tokenizer's decoding."""
+        return self.tok.decode(list(ids))

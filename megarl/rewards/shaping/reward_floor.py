@@ -8,6 +8,11 @@ from typing import Sequence
 import torch
 
 from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.spec import MethodSpec
+from megarl.rewards.shaping.base import RoundShaper
+from megarl.plugin.rounds import RolloutRound, RoundResult
+import re
+from typing import Any
 
 
 def ngram_precision(response: Sequence, source: Sequence, n: int = 3) -> float:
@@ -21,8 +26,13 @@ def ngram_precision(response: Sequence, source: Sequence, n: int = 3) -> float:
     return sum(c for g, c in grams.items() if g in src) / (len(response) - n + 1)
 
 
+def words(text: str) -> str:
+    """``text`` with every run of non-alphanumeric characters turned into one space (the floor
+    compares words: ``"R 407="`` -> ``"R 407"``, so copying the operand is a copy)."""
+    return " ".join(re.findall(r"\w+", text))
+
 @REWARD_SHAPERS.register("reward_floor")
-class RewardFloor:
+class RewardFloor(RoundShaper):
     """``floor(rewards [B], responses, sources) -> (rewards [B], copied [B] bool)``: a response whose
     word n-gram precision against its source text is >= ``threshold`` gets ``floor``."""
 
@@ -46,8 +56,18 @@ class RewardFloor:
             raise ValueError(f"reward_floor: {rewards.shape[0]} rewards but {copied.numel()} responses")
         return torch.where(copied, torch.full_like(rewards, self.floor), rewards), copied
 
+    async def shape_round(self, r: RolloutRound, env: Any) -> RoundResult:
+        """The floor applied to the round: the source text is each sample's prompt (quickstart
+        stand-in for the task's document), compared word by word (``words``)."""
+        sources = [words(p) for p in r.prompts for _ in range(r.n)]
+        shaped, copied = self(r.scalar, [words(t) for t in r.texts], sources)
+        return RoundResult(shaped, metrics={"shaping/reward_floor/copied_frac": float(copied.float().mean())})
+
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+SPEC = MethodSpec(name="reward_floor", summary="RLAIF reward floor: no reward for copying the source", provenance="reconstructed",
+                  config={"reward": {"shaping": {"name": "reward_floor"}}})

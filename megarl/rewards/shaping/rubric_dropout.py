@@ -15,6 +15,10 @@ import hashlib
 import torch
 
 from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.spec import MethodSpec
+from megarl.rewards.shaping.base import RoundShaper
+from megarl.plugin.rounds import RolloutRound, RoundResult
+from typing import Any
 
 
 def keep_mask(seed: int, step: int, prompt_uid: int, num_criteria: int, p: float) -> torch.Tensor:
@@ -28,7 +32,7 @@ def keep_mask(seed: int, step: int, prompt_uid: int, num_criteria: int, p: float
 
 
 @REWARD_SHAPERS.register("rubric_dropout")
-class RubricDropout:
+class RubricDropout(RoundShaper):
     """Rubric reward with per-(step, prompt) criterion dropout; evaluation (train=False) keeps all."""
 
     def __init__(self, p: float = 0.3, seed: int = 0, keep_pitfalls: bool = True):
@@ -70,8 +74,23 @@ class RubricDropout:
         den = (M * w.clamp(min=0)).sum(1)
         return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
 
+    async def shape_round(self, r: RolloutRound, env: Any) -> RoundResult:
+        """The rubric is the round's reward dimensions, one criterion each, weighted by its weight."""
+        from megarl.rewards.shaping.processor import dims_matrix
+
+        scores = dims_matrix(r)
+        weights = torch.tensor(list(r.weights.values()), dtype=torch.float64).expand_as(scores)
+        valid = torch.ones_like(scores, dtype=torch.bool)
+        uids = torch.tensor([u for u in r.uids for _ in range(r.n)])
+        shaped = self(scores, weights, valid, uids, r.step)
+        kept = self.kept_criteria(valid, uids, r.step, weights)
+        return RoundResult(shaped, metrics={"shaping/rubric_dropout/kept_frac": float(kept.double().mean())})
+
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+SPEC = MethodSpec(name="rubric_dropout", summary="Rubric Dropout: random criteria dropped per prompt and step", provenance="reconstructed",
+                  config={"reward": {"shaping": {"name": "rubric_dropout"}}})

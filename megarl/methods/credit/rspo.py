@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, _per_token, dr_grpo, grpo, rloo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token, dr_grpo, grpo, rloo
 from megarl.ops.segments import group_all_equal, segment_sum
+from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 BASES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
 
@@ -66,9 +68,13 @@ def outcome_and_process(batch, outcome: str, process: str) -> tuple[torch.Tensor
     return out, segment_sum(batch.token_rewards.double() * batch.loss_mask.double(), batch.cu_seqlens)
 
 
-@ADVANTAGE_ESTIMATORS.register("rspo")
 def _rspo(batch, base: str = "grpo", reading: str = "A", outcome: str = "outcome",
           process: str = "process") -> torch.Tensor:
     """RSPO on every loss token; [T]."""
     out, proc = outcome_and_process(batch, outcome, process)
-    return _per_token(batch, rspo(out, proc, batch.group_ids, base, reading))
+    return per_token(batch, rspo(out, proc, batch.group_ids, base, reading))
+
+ADVANTAGE_ESTIMATORS.add("rspo", _rspo, PartInfo(batch_inputs=("reward_dims",)))
+
+SPEC = MethodSpec(name="rspo", summary="RSPO: reward swap between outcome and process rewards", provenance="reconstructed",
+                  config={"advantage": {"estimator": "rspo"}})

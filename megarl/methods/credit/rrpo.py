@@ -16,10 +16,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, _per_token, grpo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token, grpo
 from megarl.ops.segments import segment_masked_mean
 from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.types import SamplingParams
+from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 
 class ProjectionHead(torch.nn.Module):
@@ -93,9 +95,13 @@ async def sample_anchors(engine: RolloutEngine, pos_prompt_ids: Sequence[int], n
     return [s.token_ids for s in pos.samples], [s.token_ids for s in neg.samples]
 
 
-@ADVANTAGE_ESTIMATORS.register("rrpo")
 def _rrpo(batch, scale_by_std: bool = False) -> torch.Tensor:
     """Group-centred ``extras["rrpo_scores"]`` on every loss token; [T]."""
     if "rrpo_scores" not in batch.extras:
         raise ValueError("advantage_estimator=rrpo needs batch.extras['rrpo_scores'] (see anchor_scores)")
-    return _per_token(batch, grpo(batch.extras["rrpo_scores"].double(), batch.group_ids, scale_by_std))
+    return per_token(batch, grpo(batch.extras["rrpo_scores"].double(), batch.group_ids, scale_by_std))
+
+ADVANTAGE_ESTIMATORS.add("rrpo", _rrpo, PartInfo(batch_inputs=("rrpo_scores",)))
+
+SPEC = MethodSpec(name="rrpo", summary="RRPO: advantages from a contrastive anchor-alignment score", provenance="reconstructed",
+                  config={"advantage": {"estimator": "rrpo"}})

@@ -1,0 +1,38 @@
+"""What the run offers a part when the part is built (``RunContext``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RunContext:
+    """One per run, on every rank; the rank-0-only fields are None elsewhere.
+
+    cfg: the run's ``TrainConfig``; knobs: the knobs of the part being built (``inputs.<name>``
+    for an input provider, the ``method`` section's knobs for a method); make_learner:
+    ``make_learner(hf_config, weights_dir, trainable=False)`` -> a learner under the run's layout;
+    init_dir: the initial policy (HF safetensors); engine: rank 0's rollout engine; score:
+    ``score(texts, answers)`` -> the run's reward result (named dims, weighted scalar); sampling:
+    ``sampling(step, round, index)`` -> the run's seeded ``SamplingParams``.
+    """
+
+    cfg: Any
+    tokenizer: Any
+    hf_config: dict
+    rank0: bool
+    init_dir: Path
+    make_learner: Callable[..., Any]
+    policy: Any = None
+    engine: Any = None
+    score: Callable[[list[str], list[str]], Any] | None = None
+    sampling: Callable[..., Any] | None = None
+    knobs: Any = None
+
+    def with_knobs(self, knobs: Any) -> RunContext:
+        """A copy of this context carrying ``knobs`` (a part's knobs dataclass, or None)."""
+        return dataclasses.replace(self, knobs=knobs)

@@ -1,0 +1,59 @@
+"""``MethodSpec``: one method, registered by name, and the parts it contributes per run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from megarl.batch import PackedBatch
+
+Provenance = Literal["code", "paper", "reconstructed"]
+
+
+@runtime_checkable
+class StepHook(Protocol):
+    """Around the optimizer steps of one RL step (every rank). ``before_train`` may return a
+    modified batch (e.g. extra inputs of a second model); ``after_step`` returns metrics. Its
+    ``state_dict`` goes in checkpoints (a critic's or a second policy's own state included)."""
+
+    def before_train(self, step: int, batch: PackedBatch) -> PackedBatch: ...
+
+    def after_step(self, step: int, metrics: dict) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class MethodParts:
+    """What a method adds to a run beyond the registered objective parts it names in ``config``:
+    rank 0's round processors (after the reward shaper) and step hooks."""
+
+    round_processors: list[Any] = field(default_factory=list)
+    step_hooks: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method.
+
+    name: what ``method: {name: ...}`` says; summary: one line; provenance: where its formula
+    comes from (``code``: the authors' code, ``paper``, ``reconstructed`` from the abstract);
+    config: the config sections the method sets, e.g. ``{"advantage": {"estimator": "gepo"}}``
+    (keys the user sets win: a knob left unset means the method's own default); register: called
+    once when the spec is loaded, registers the method's objective parts and input providers;
+    knobs: the dataclass of the method's own knobs (the ``method`` section's other keys);
+    inputs: batch inputs the method needs beyond those its parts declare; build:
+    ``build(ctx, knobs)`` -> ``MethodParts`` per run.
+    """
+
+    name: str
+    summary: str
+    provenance: Provenance
+    config: dict = field(default_factory=dict)
+    register: Callable[[], None] | None = None
+    knobs: type | None = None
+    inputs: tuple[str, ...] = ()
+    build: Callable[..., MethodParts] | None = None

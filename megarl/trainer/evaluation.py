@@ -1,0 +1,45 @@
+"""Held-out evaluation on rank 0: pass@1 (greedy) and pass@k (k samples at the rollout temperature)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+
+async def _generate(run: Any, rows: list, n: int, step: int, greedy: bool = False) -> list:
+    return await asyncio.gather(*[
+        run.engine.generate(run.tok.encode(r.prompt), n=n, sampling=run.sampling_params(step, 0, i, greedy))
+        for i, r in enumerate(rows)])
+
+
+def evaluate(run: Any) -> dict:
+    """``eval/pass@1``, ``eval/reward_greedy`` and, with ``schedule.eval_k > 1``, ``eval/pass@k`` and
+    ``eval/sampled_acc`` on the first ``schedule.eval_samples`` eval prompts ({} without an eval set)."""
+    if run.eval_ds is None:
+        return {}
+    s = run.cfg.schedule
+    rows = run.eval_ds.rows[:s.eval_samples]
+    t0 = time.time()
+    greedy = run.loop.run_until_complete(_generate(run, rows, 1, step=-1, greedy=True))
+    texts = [run.tok.decode(g.samples[0].token_ids) for g in greedy]
+    r1 = run.rewards(texts, [r.answer for r in rows]).scalar
+    fns = run.cfg.reward.functions
+    best = float(max(f.weight for f in fns if f.weight > 0)) if any(f.weight > 0 for f in fns) else 1.0
+    out = {"eval/pass@1": float((r1 >= best).float().mean()), "eval/reward_greedy": float(r1.mean())}
+    if s.eval_k > 1:
+        samp = run.loop.run_until_complete(_generate(run, rows, s.eval_k, step=-2))
+        texts = [run.tok.decode(x.token_ids) for g in samp for x in g.samples]
+        answers = [r.answer for r in rows for _ in range(s.eval_k)]
+        rk = run.rewards(texts, answers).scalar.view(len(rows), s.eval_k)
+        out[f"eval/pass@{s.eval_k}"] = float((rk >= best).any(1).float().mean())
+        out["eval/sampled_acc"] = float((rk >= best).float().mean())
+    out["time/eval"] = time.time() - t0
+    return out
+
+
+def eval_text(rec: dict) -> str:
+    """The held-out numbers of a record for the progress line."""
+    parts = [f"{k[5:]} {v:.3f}" for k, v in rec.items()
+             if k.startswith("eval/") and k != "eval/reward_greedy" and isinstance(v, float)]
+    return ("  | held-out " + "  ".join(parts)) if parts else ""

@@ -1,0 +1,200 @@
+"""The run's method machinery, composed from registered parts; the trainer never names a method.
+
+``required_inputs`` reads what the configured parts declare (``PartInfo.batch_inputs``; a KL or
+distillation coefficient needs the reference or the teacher; the method spec's own ``inputs``).
+``MethodRuntime`` holds, per run: the advantage stage (estimator + its state), the learner passes
+and batch fillers of the required inputs, rank 0's round processors (the reward shaper, round
+providers, the method's own), the step hooks, and their checkpoint state. It is built in two
+phases, because learner passes must exist before the rollout engine and round processors need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from megarl.advantages import ADVANTAGE_ESTIMATORS
+from megarl.batch import PackedBatch
+from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.objectives.regularisers import REGULARISERS
+from megarl.plugin.inputs import INPUT_PROVIDERS, RolloutInfo, provider_for
+from megarl.plugin.knobs import build_knobs
+from megarl.plugin.spec import MethodParts
+
+
+@runtime_checkable
+class ReportsMetrics(Protocol):
+    """A part state with per-step diagnostics."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+def required_inputs(cfg: Any, spec: Any = None) -> dict[str, str]:
+    """Batch inputs the run's parts need beyond the core batch: name -> the part that asked first."""
+    need: dict[str, str] = {}
+
+    def add(names, who: str) -> None:
+        for n in names:
+            need.setdefault(n, who)
+
+    a = cfg.advantage.estimator
+    add(ADVANTAGE_ESTIMATORS.info(a).batch_inputs, f"advantage.estimator={a}")
+    o = cfg.objective
+    add(POLICY_LOSSES.info(o.policy_loss).batch_inputs, f"objective.policy_loss={o.policy_loss}")
+    for reg in o.regularisers:
+        add(REGULARISERS.info(reg["name"]).batch_inputs, f"objective.regularisers: {reg['name']}")
+    if o.kl_coef:
+        add(("ref_logprobs",), "objective.kl_coef")
+    if o.distill != "none":
+        add(("teacher_logprobs",), f"objective.distill={o.distill}")
+    if spec is not None:
+        add(spec.inputs, f"method {spec.name}")
+    return need
+
+
+def provider_knobs(cfg: Any, provider: Any) -> Any:
+    """A provider's knobs from ``inputs.<name>`` (the first of its names the config sets)."""
+    raw, where = {}, f"inputs.{provider.provides[0]}"
+    for name in provider.provides:
+        if name in cfg.inputs:
+            raw, where = cfg.inputs[name], f"inputs.{name}"
+            break
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a mapping of knobs, got {raw!r}")
+    return build_knobs(provider.knobs, raw, where)
+
+
+def check_inputs_section(cfg: Any) -> None:
+    """Every ``inputs.<name>`` names a known input and its knobs are valid."""
+    for name in cfg.inputs:
+        provider_knobs(cfg, provider_for(name, f"inputs.{name}"))
+
+
+class AdvantageStage:
+    """The configured estimator with its knobs and state (GEPO's entropy history), made once per run."""
+
+    def __init__(self, cfg: Any):
+        self.name = cfg.advantage.estimator
+        self.fn = ADVANTAGE_ESTIMATORS.get(self.name)
+        self.knobs = dict(cfg.advantage.knobs)
+        make_state = ADVANTAGE_ESTIMATORS.info(self.name).make_state
+        self.state = make_state(**self.knobs) if make_state is not None else None
+
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        """Fill ``batch.advantages`` [T] (float32)."""
+        kw = dict(self.knobs)
+        if self.state is not None:
+            kw["state"] = self.state
+        batch.advantages = self.fn(batch, **kw).to(torch.float32)
+        return batch.advantages
+
+    def metrics(self) -> dict[str, float]:
+        """The state's diagnostics, when it reports any."""
+        return self.state.metrics() if isinstance(self.state, ReportsMetrics) else {}
+
+
+@dataclass
+class MethodRuntime:
+    """See the module docstring. ``inputs``: required input -> who asked."""
+
+    inputs: dict[str, str]
+    advantages: AdvantageStage
+    learner_passes: list = field(default_factory=list)
+    batch_fillers: list = field(default_factory=list)
+    round_processors: list = field(default_factory=list)
+    step_hooks: list = field(default_factory=list)
+
+    # ------------------------------------------------------------------ building
+    @staticmethod
+    def build_learner_side(ctx: Any, spec: Any = None) -> MethodRuntime:
+        """Phase 1 (every rank, before the engine): learner passes and batch fillers."""
+        cfg = ctx.cfg
+        inputs = required_inputs(cfg, spec)
+        wanted = dict(inputs)
+        if cfg.schedule.old_logprobs == "recompute":
+            wanted = {"old_logprobs": "schedule.old_logprobs=recompute", **wanted}
+        rt = MethodRuntime(inputs=inputs, advantages=AdvantageStage(cfg))
+        for provider, names in _providers(wanted):
+            if provider.stage == "round":
+                continue
+            built = provider.build(_with_provider_knobs(ctx, provider), frozenset(names))
+            (rt.learner_passes if provider.stage == "learner" else rt.batch_fillers).append(built)
+        return rt
+
+    def build_rank0_side(self, ctx: Any, spec: Any = None, method_knobs: Any = None) -> None:
+        """Phase 2 (after the engine): round processors (rank 0) and the method's own parts."""
+        cfg = ctx.cfg
+        if ctx.rank0 and cfg.reward.shaping is not None:
+            from megarl.rewards.shaping.processor import ShapingProcessor
+
+            self.round_processors.append(ShapingProcessor(ctx))
+        if ctx.rank0:
+            for provider, names in _providers(self.inputs):
+                if provider.stage == "round":
+                    self.round_processors.append(provider.build(_with_provider_knobs(ctx, provider), frozenset(names)))
+        if spec is not None and spec.build is not None:
+            parts: MethodParts = spec.build(ctx, method_knobs)
+            if ctx.rank0:
+                self.round_processors += parts.round_processors
+            self.step_hooks += parts.step_hooks
+
+    # ------------------------------------------------------------------ using
+    def fill_learner_inputs(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
+        """Run every learner pass (collective)."""
+        out: dict[str, float] = {}
+        for p in self.learner_passes:
+            out.update(p.fill(batch, micro_batches))
+        return out
+
+    def fill_batch_inputs(self, batch: PackedBatch, info: RolloutInfo) -> dict[str, float]:
+        """Per-sample extras made on rank 0 into ``batch.extras`` (float64), then every batch filler."""
+        for k, v in info.extras.items():
+            batch.extras[k] = torch.as_tensor(v, dtype=torch.float64)
+        out: dict[str, float] = {}
+        for f in self.batch_fillers:
+            out.update(f.fill(batch, info))
+        missing = [n for n in self.inputs if INPUT_PROVIDERS[n].stage == "round" and n not in batch.extras]
+        if missing:
+            raise ValueError(f"the rollouts carry no {missing[0]!r} (needed by {self.inputs[missing[0]]})")
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The estimator's state and every round processor's and hook's (rank 0's view)."""
+        return {"estimator": None if self.advantages.state is None else self.advantages.state.state_dict(),
+                "round_processors": [p.state_dict() for p in self.round_processors],
+                "step_hooks": [h.state_dict() for h in self.step_hooks]}
+
+    def load_state_dict(self, state: dict, rank0: bool = True) -> None:
+        """Restore ``state_dict()``; a mismatch names what differs."""
+        est = state.get("estimator")
+        if (self.advantages.state is None) != (est is None):
+            raise ValueError(f"checkpoint method state {'has' if est is not None else 'has no'} estimator state, "
+                             f"but advantage.estimator={self.advantages.name!r} "
+                             f"{'has' if self.advantages.state is not None else 'has no'} state")
+        if est is not None:
+            self.advantages.state.load_state_dict(est)
+        for kind, parts in (("round_processors", self.round_processors if rank0 else []),
+                            ("step_hooks", self.step_hooks)):
+            saved = state.get(kind, [])
+            if rank0 or kind == "step_hooks":
+                if len(saved) != len(parts):
+                    raise ValueError(f"checkpoint has {len(saved)} {kind.replace('_', ' ')}, this run has {len(parts)}")
+                for p, s in zip(parts, saved):
+                    p.load_state_dict(s)
+
+
+def _with_provider_knobs(ctx: Any, provider: Any) -> Any:
+    return ctx.with_knobs(provider_knobs(ctx.cfg, provider))
+
+
+def _providers(wanted: dict[str, str]) -> list[tuple[Any, list[str]]]:
+    """The providers of ``wanted`` in registration order, each with the names it must fill."""
+    by_provider: dict[int, tuple[Any, list[str]]] = {}
+    for name, who in wanted.items():
+        p = provider_for(name, who)
+        by_provider.setdefault(id(p), (p, []))[1].append(name)
+    order = {id(p): i for i, p in enumerate(dict.fromkeys(INPUT_PROVIDERS.values()))}
+    return sorted(by_provider.values(), key=lambda pn: order[id(pn[0])])
