@@ -53,11 +53,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
     g.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE models only (default 1)")
-    g.add_argument("--expert-tp", type=int, default=None,
-                   help="tensor parallel size inside experts (default: --tp); needs --ep > 1 when it differs")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing non-empty --out (default: refuse). The new output is written "
-                        "into a temporary directory beside --out and renamed over it when complete")
+    g.add_argument(
+        "--expert-tp",
+        type=int,
+        default=None,
+        help="tensor parallel size inside experts (default: --tp); needs --ep > 1 when it differs",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing non-empty --out (default: refuse). The new output is written "
+        "into a temporary directory beside --out and renamed over it when complete",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,28 +73,56 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=_DESCRIPTION, formatter_class=fmt)
     sub = ap.add_subparsers(dest="command", metavar="{hf-to-megatron,megatron-to-hf}")
     sub.required = True
-    h2m = sub.add_parser("hf-to-megatron", description=_H2M, formatter_class=fmt,
-                         help="HF model directory -> Megatron checkpoint (model weights only)")
-    h2m.add_argument("--hf", required=True, metavar="HF_DIR",
-                     help="HF model directory (config.json + *.safetensors)")
-    h2m.add_argument("--out", required=True, metavar="CKPT_DIR",
-                     help="Megatron checkpoint directory to write")
-    h2m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                     help="dtype of the Megatron weights (default: the HF tensors' dtype, float32 if mixed)")
+    h2m = sub.add_parser(
+        "hf-to-megatron",
+        description=_H2M,
+        formatter_class=fmt,
+        help="HF model directory -> Megatron checkpoint (model weights only)",
+    )
+    h2m.add_argument(
+        "--hf", required=True, metavar="HF_DIR", help="HF model directory (config.json + *.safetensors)"
+    )
+    h2m.add_argument(
+        "--out", required=True, metavar="CKPT_DIR", help="Megatron checkpoint directory to write"
+    )
+    h2m.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="dtype of the Megatron weights (default: the HF tensors' dtype, float32 if mixed)",
+    )
     _add_common(h2m)
-    m2h = sub.add_parser("megatron-to-hf", help="Megatron / run checkpoint -> HF model directory",
-                         description=_M2H, formatter_class=fmt)
-    m2h.add_argument("--ckpt", required=True, metavar="CKPT",
-                     help="Megatron checkpoint, run checkpoint (runs/X/checkpoints/step_N) or run directory")
+    m2h = sub.add_parser(
+        "megatron-to-hf",
+        help="Megatron / run checkpoint -> HF model directory",
+        description=_M2H,
+        formatter_class=fmt,
+    )
+    m2h.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="CKPT",
+        help="Megatron checkpoint, run checkpoint (runs/X/checkpoints/step_N) or run directory",
+    )
     m2h.add_argument("--out", required=True, metavar="HF_DIR", help="HF model directory to write")
-    m2h.add_argument("--hf-config", default=None, metavar="PATH",
-                     help="the model's HF config.json, or a HF directory holding one "
-                          "(default: from the checkpoint)")
-    m2h.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                     help="dtype of the HF tensors (default: the dtype the checkpoint stores)")
-    m2h.add_argument("--bucket-mb", type=int, default=512,
-                     help="largest safetensors file in MB (a bigger single tensor gets its own file; "
-                          "default 512)")
+    m2h.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="the model's HF config.json, or a HF directory holding one (default: from the checkpoint)",
+    )
+    m2h.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="dtype of the HF tensors (default: the dtype the checkpoint stores)",
+    )
+    m2h.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=512,
+        help="largest safetensors file in MB (a bigger single tensor gets its own file; default 512)",
+    )
     _add_common(m2h)
     return ap
 
@@ -113,9 +148,13 @@ def _report(msg: str) -> None:
 
 
 # Warnings every CPU run of megatron-core prints, about fallbacks that do not matter for conversion.
-_KNOWN_WARNINGS = (r".*Apex (is|are) not installed", r".*Transformer Engine and Apex are not installed",
-                   r".*`load_state_dict` is deprecated", r".*Please use DTensor instead",
-                   r".*full scope is deprecated")
+_KNOWN_WARNINGS = (
+    r".*Apex (is|are) not installed",
+    r".*Transformer Engine and Apex are not installed",
+    r".*`load_state_dict` is deprecated",
+    r".*Please use DTensor instead",
+    r".*full scope is deprecated",
+)
 
 
 def _quiet_known_warnings() -> None:
@@ -129,8 +168,9 @@ def _run(args: argparse.Namespace, layout, commands, errors: tuple[type, ...]) -
     else:
         if args.bucket_mb < 1:
             raise errors[0](f"--bucket-mb {args.bucket_mb}: must be >= 1")
-        commands.megatron_to_hf(args.ckpt, args.out, layout, args.hf_config, args.dtype, args.overwrite,
-                                bucket_mb=args.bucket_mb)
+        commands.megatron_to_hf(
+            args.ckpt, args.out, layout, args.hf_config, args.dtype, args.overwrite, bucket_mb=args.bucket_mb
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,8 +49,10 @@ def plan_layout(spec: ModelSpec, want: LayoutArgs, world: int, source: str) -> P
         if v < 1:
             raise err(f"{name} {v}: must be >= 1")
     if spec.num_heads % want.tp or spec.num_kv_heads % want.tp:
-        raise err(f"{source}: num_attention_heads {spec.num_heads} and num_key_value_heads "
-                  f"{spec.num_kv_heads} must be divisible by --tp {want.tp}")
+        raise err(
+            f"{source}: num_attention_heads {spec.num_heads} and num_key_value_heads "
+            f"{spec.num_kv_heads} must be divisible by --tp {want.tp}"
+        )
     if spec.vocab_size % want.tp:
         raise err(f"{source}: vocab_size {spec.vocab_size} is not divisible by --tp {want.tp}")
     if spec.num_layers % want.pp:
@@ -59,8 +61,13 @@ def plan_layout(spec: ModelSpec, want: LayoutArgs, world: int, source: str) -> P
         raise err(f"{source}: --ep {want.ep} needs a MoE model (model_type {spec.model_type} has no experts)")
     if spec.is_moe and spec.num_experts % want.ep:
         raise err(f"{source}: num_experts {spec.num_experts} is not divisible by --ep {want.ep}")
-    layout = ParallelLayout(tp=want.tp, pp=want.pp, ep=want.ep, expert_tp=want.expert_tp,
-                            sequence_parallel=spec.is_moe and want.tp > 1)
+    layout = ParallelLayout(
+        tp=want.tp,
+        pp=want.pp,
+        ep=want.ep,
+        expert_tp=want.expert_tp,
+        sequence_parallel=spec.is_moe and want.tp > 1,
+    )
     try:
         layout.data_parallel_size(world)
     except ValueError as e:
@@ -87,8 +94,11 @@ def _build_learner(hf_config: dict, layout: ParallelLayout, dtype: torch.dtype):
     from megarl.learner.parallel import initialize_parallel
 
     groups = initialize_parallel(layout)
-    return Learner(LearnerConfig(hf_config=hf_config, params_dtype=dtype, trainable=False), groups,
-                   perform_initialization=False)
+    return Learner(
+        LearnerConfig(hf_config=hf_config, params_dtype=dtype, trainable=False),
+        groups,
+        perform_initialization=False,
+    )
 
 
 def _is_rank0() -> bool:
@@ -103,8 +113,9 @@ def _layout_str(layout: ParallelLayout, world: int) -> str:
     return f"tp={layout.tp} pp={layout.pp} ep={layout.ep}{etp} dp={dp}"
 
 
-def hf_to_megatron(hf_dir: str, out: str, want: LayoutArgs, dtype: str | None, overwrite: bool,
-                   log=print) -> None:
+def hf_to_megatron(
+    hf_dir: str, out: str, want: LayoutArgs, dtype: str | None, overwrite: bool, log=print
+) -> None:
     """Convert the HF model directory ``hf_dir`` into a Megatron checkpoint ``out`` (model weights
     only), sharded for ``want`` over the current world. Checks all input before any collective."""
     import torch.distributed as dist
@@ -126,19 +137,30 @@ def hf_to_megatron(hf_dir: str, out: str, want: LayoutArgs, dtype: str | None, o
         paths.prepare_temp(out)
         os.makedirs(tmp)
     dist.barrier()
-    save_model_checkpoint(learner.model, learner.groups, tmp, cfg,
-                          extra_meta={"converted_from": os.path.abspath(hf_dir)})
+    save_model_checkpoint(
+        learner.model, learner.groups, tmp, cfg, extra_meta={"converted_from": os.path.abspath(hf_dir)}
+    )
     if _is_rank0():
         paths.publish(tmp, out, overwrite)
         n = sum(p.numel() for p in learner.model.parameters())
-        log(f"megarl convert: {hf_dir} -> {out}: Megatron checkpoint (model weights, "
+        log(
+            f"megarl convert: {hf_dir} -> {out}: Megatron checkpoint (model weights, "
             f"{str(params_dtype)[6:]}), layout {_layout_str(layout, world)}; rank 0 holds {n:,} parameters; "
-            f"{time.monotonic() - t0:.1f} s")
+            f"{time.monotonic() - t0:.1f} s"
+        )
     dist.barrier()
 
 
-def megatron_to_hf(ckpt_path: str, out: str, want: LayoutArgs, hf_config: str | None, dtype: str | None,
-                   overwrite: bool, bucket_mb: int = 512, log=print) -> None:
+def megatron_to_hf(
+    ckpt_path: str,
+    out: str,
+    want: LayoutArgs,
+    hf_config: str | None,
+    dtype: str | None,
+    overwrite: bool,
+    bucket_mb: int = 512,
+    log=print,
+) -> None:
     """Convert a Megatron checkpoint (a converted one, a learner checkpoint, a run checkpoint
     ``runs/X/checkpoints/step_N`` or a run directory) into the HF model directory ``out``, loading
     it under ``want`` over the current world. Checks all input before any collective."""
@@ -158,8 +180,8 @@ def megatron_to_hf(ckpt_path: str, out: str, want: LayoutArgs, hf_config: str | 
     learner = _build_learner(cfg, layout, stored)
     load_model_weights(learner.model, ckpt.path)
     out_dtype = DTYPES[dtype] if dtype else stored
-    if out_dtype != stored:
-        learner.model.to(out_dtype)
+    if any(p.dtype != out_dtype for p in learner.model.parameters()):
+        learner.model.to(out_dtype)  # one dtype in the HF files (a bf16 CPU model keeps fp32 norms)
     name = str(out_dtype).replace("torch.", "")
     for key in ("torch_dtype", "dtype"):
         if key in cfg:
@@ -168,13 +190,16 @@ def megatron_to_hf(ckpt_path: str, out: str, want: LayoutArgs, hf_config: str | 
     if _is_rank0():
         paths.prepare_temp(out)
     dist.barrier()
-    wmap = save_hf_checkpoint(learner.model, learner.groups, tmp, hf_config=cfg,
-                              bucket_bytes=bucket_mb * 2**20)
+    wmap = save_hf_checkpoint(
+        learner.model, learner.groups, tmp, hf_config=cfg, bucket_bytes=bucket_mb * 2**20
+    )
     if _is_rank0():
         copied = paths.copy_side_files(side_dir, tmp)
         paths.publish(tmp, out, overwrite)
         extra = f"; copied {', '.join(copied)} from {side_dir}" if copied else ""
-        log(f"megarl convert: {ckpt.path} -> {out}: HF safetensors ({len(wmap)} tensors, {name}), "
+        log(
+            f"megarl convert: {ckpt.path} -> {out}: HF safetensors ({len(wmap)} tensors, {name}), "
             f"config from {cfg_from}, read at layout {_layout_str(layout, world)}{extra}; "
-            f"{time.monotonic() - t0:.1f} s")
+            f"{time.monotonic() - t0:.1f} s"
+        )
     dist.barrier()

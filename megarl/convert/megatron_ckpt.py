@@ -26,8 +26,9 @@ class MegatronCheckpointError(RuntimeError):
     """A checkpoint's model weights do not fit the model being loaded; the message names the path."""
 
 
-def save_model_checkpoint(model: torch.nn.Module, groups, ckpt_dir: str, hf_config: dict,
-                          extra_meta: dict | None = None) -> None:
+def save_model_checkpoint(
+    model: torch.nn.Module, groups, ckpt_dir: str, hf_config: dict, extra_meta: dict | None = None
+) -> None:
     """Save ``model``'s weights (collective) into the existing empty directory ``ckpt_dir``.
 
     ``megarl.json`` records step 0, the layout, the world size, ``hf_config`` and
@@ -36,9 +37,14 @@ def save_model_checkpoint(model: torch.nn.Module, groups, ckpt_dir: str, hf_conf
 
     dist_checkpointing.save({"model": model.sharded_state_dict()}, ckpt_dir)
     if dist.get_rank() == 0:
-        meta = {"step": 0, "layout": asdict(groups.layout), "world_size": dist.get_world_size(),
-                "hf_config": hf_config, "contents": MODEL_ONLY,
-                "params_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+        meta = {
+            "step": 0,
+            "layout": asdict(groups.layout),
+            "world_size": dist.get_world_size(),
+            "hf_config": hf_config,
+            "contents": MODEL_ONLY,
+            "params_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        }
         meta.update(extra_meta or {})
         with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
@@ -56,8 +62,10 @@ def checkpoint_params_dtype(ckpt_dir: str) -> torch.dtype:
     dtypes = {t.dtype for k, t in meta.items() if not k.startswith("optimizer.") and hasattr(t, "dtype")}
     if len(dtypes) == 1:
         return dtypes.pop()
-    raise MegatronCheckpointError(f"{ckpt_dir}: cannot tell the weights' dtype (no embedding or final norm "
-                                  f"tensor; dtypes {sorted(map(str, dtypes))}); pass --dtype")
+    raise MegatronCheckpointError(
+        f"{ckpt_dir}: cannot tell the weights' dtype (no embedding or final norm "
+        f"tensor; dtypes {sorted(map(str, dtypes))}); pass --dtype"
+    )
 
 
 def _te_named(keys) -> bool:
@@ -78,10 +86,13 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str) -> None:
         keys = dist_checkpointing.load_tensors_metadata(ckpt_dir).keys()
         hint = ""
         if _te_named(keys) != _te_named(n for n, _ in model.named_parameters()):
-            hint = (" (the checkpoint was saved with the other layer spec: Transformer Engine names vs the "
-                    "local spec's; convert it on the kind of machine it was trained on)")
-        raise MegatronCheckpointError(f"{ckpt_dir}: the model weights do not fit this model{hint}: "
-                                      f"{str(e)[:2000]}") from None
+            hint = (
+                " (the checkpoint was saved with the other layer spec: Transformer Engine names vs the "
+                "local spec's; convert it on the kind of machine it was trained on)"
+            )
+        raise MegatronCheckpointError(
+            f"{ckpt_dir}: the model weights do not fit this model{hint}: {str(e)[:2000]}"
+        ) from None
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -15,9 +15,17 @@ META_FILE = "megarl.json"  # the learner checkpoint's metadata file (megarl.lear
 TRAINER_STATE = "trainer.json"  # marks a complete run checkpoint step directory
 INIT_POLICY = "init_policy"  # run_dir/init_policy: the run's HF start weights (config + tokenizer)
 # Files of a HF model directory that are not weights: carried over to an exported HF directory.
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                 "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                 "generation_config.json")
+HF_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 class ConvertInputError(ValueError):
@@ -79,9 +87,11 @@ def _latest_step_dir(run_dir: str) -> str | None:
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return None
-    steps = [(int(n[5:]), os.path.join(root, n)) for n in os.listdir(root)
-             if n.startswith("step_") and n[5:].isdigit()
-             and os.path.isfile(os.path.join(root, n, TRAINER_STATE))]
+    steps = [
+        (int(n[5:]), os.path.join(root, n))
+        for n in os.listdir(root)
+        if n.startswith("step_") and n[5:].isdigit() and os.path.isfile(os.path.join(root, n, TRAINER_STATE))
+    ]
     return max(steps)[1] if steps else None
 
 
@@ -104,7 +114,8 @@ def resolve_megatron_checkpoint(path: str) -> MegatronCheckpoint:
                 raise ConvertInputError(
                     f"{path}: not a Megatron checkpoint{hint}: no {META_FILE}, no learner/{META_FILE}, no "
                     f"checkpoints/step_*/{TRAINER_STATE} (expected a directory written by `megarl convert "
-                    f"hf-to-megatron`, a run checkpoint runs/X/checkpoints/step_N or a run directory runs/X)")
+                    f"hf-to-megatron`, a run checkpoint runs/X/checkpoints/step_N or a run directory runs/X)"
+                )
             cand = os.path.join(step, "learner")
             if not os.path.isfile(os.path.join(cand, META_FILE)):
                 raise ConvertInputError(f"{cand}: no {META_FILE} (incomplete run checkpoint)")
@@ -133,8 +144,10 @@ def hf_config_source(ckpt: MegatronCheckpoint, override: str | None) -> tuple[di
         return dict(ckpt.meta["hf_config"]), os.path.join(ckpt.path, META_FILE), side
     if init and os.path.isfile(os.path.join(init, "config.json")):
         return read_config_file(init), os.path.join(init, "config.json"), side
-    raise ConvertInputError(f"{ckpt.path}: the checkpoint holds no HF config and no run "
-                            "init_policy/config.json was found; pass --hf-config CONFIG_JSON_OR_HF_DIR")
+    raise ConvertInputError(
+        f"{ckpt.path}: the checkpoint holds no HF config and no run "
+        "init_policy/config.json was found; pass --hf-config CONFIG_JSON_OR_HF_DIR"
+    )
 
 
 def temp_dir_for(out: str) -> str:
@@ -159,8 +172,9 @@ def publish(tmp: str, out: str, overwrite: bool) -> None:
     out = os.path.abspath(out)
     if os.path.exists(out):
         if os.listdir(out) and not overwrite:
-            raise ConvertInputError(f"{out}: appeared during the conversion and is not empty "
-                                    "(pass --overwrite)")
+            raise ConvertInputError(
+                f"{out}: appeared during the conversion and is not empty (pass --overwrite)"
+            )
         old = tmp + ".old"
         if os.path.exists(old):
             shutil.rmtree(old)

@@ -31,9 +31,18 @@ VOCAB = 256
 
 def tiny_config(moe: bool) -> dict:
     """A tiny Qwen3 / Qwen3-MoE config: 4 heads, 2 KV heads, 2 layers, 4 experts top-2."""
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                max_position_embeddings=512, rms_norm_eps=1e-6)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
     if moe:
         base.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
     return base
@@ -44,8 +53,11 @@ def make_tiny_hf(out: Path, moe: bool, seed: int = 0) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = (Qwen3MoeForCausalLM(Qwen3MoeConfig(**tiny_config(True))) if moe
-             else Qwen3ForCausalLM(Qwen3Config(**tiny_config(False))))
+    model = (
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(**tiny_config(True)))
+        if moe
+        else Qwen3ForCausalLM(Qwen3Config(**tiny_config(False)))
+    )
     model.float().save_pretrained(out)
     return Path(out)
 
@@ -60,6 +72,18 @@ def read_hf_tensors(d: str | os.PathLike) -> dict[str, torch.Tensor]:
     return out
 
 
+class _NLL:
+    """Token-mean negative log-likelihood (one training step for the run checkpoint)."""
+
+    def __call__(self, logits, batch, ctx):
+        from megarl.objectives.api import LossOutput
+        from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
+
+        logp, _ = vocab_parallel_logprobs_entropy(logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens)
+        loss = -(logp * batch.loss_mask.to(logp)).sum() / ctx.normalisers.num_tokens
+        return LossOutput(loss=loss, metrics={"nll": loss.detach()})
+
+
 def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
     from megarl.batch import PackedBatch
     from megarl.convert.cli import main as convert
@@ -67,7 +91,6 @@ def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
     from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
     from megarl.learner.parallel import ParallelLayout, initialize_parallel
     from megarl.trainer import checkpointing
-    from megarl.trainer.policy import SFTObjective
 
     groups = initialize_parallel(ParallelLayout())
     ln = Learner(LearnerConfig(hf_config=hf_dir, optim=OptimConfig(lr=1e-2)), groups)
@@ -78,10 +101,15 @@ def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
     cu[1:] = torch.cumsum(lens, 0)
     mask = torch.ones(16)
     mask[cu[:-1]] = 0.0  # the first token of a sequence has no logprob
-    batch = PackedBatch(tokens=torch.randint(0, VOCAB, (16,), generator=g), cu_seqlens=cu,
-                        prompt_lens=torch.tensor([1, 1]), loss_mask=mask,
-                        group_ids=torch.tensor([0, 1]), advantages=torch.zeros(16)).validate()
-    ln.train_step(batch, SFTObjective())
+    batch = PackedBatch(
+        tokens=torch.randint(0, VOCAB, (16,), generator=g),
+        cu_seqlens=cu,
+        prompt_lens=torch.tensor([1, 1]),
+        loss_mask=mask,
+        group_ids=torch.tensor([0, 1]),
+        advantages=torch.zeros(16),
+    ).validate()
+    ln.train_step(batch, _NLL())
     shutil.copytree(hf_dir, Path(run_dir) / "init_policy")
     step_dir = checkpointing.save(run_dir, 1, ln, {"sampler": {}}, keep_last=2)
     save_hf_checkpoint(ln.model, groups, ref_dir, hf_config=ln.hf_config)

@@ -27,8 +27,11 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     """Tiny random Qwen3 and Qwen3-MoE HF directories (fp32), made once."""
     d = tmp_path_factory.mktemp("convert")
-    return {"dense": make_tiny_hf(d / "hf_dense", moe=False),
-            "moe": make_tiny_hf(d / "hf_moe", moe=True, seed=1), "root": d}
+    return {
+        "dense": make_tiny_hf(d / "hf_dense", moe=False),
+        "moe": make_tiny_hf(d / "hf_moe", moe=True, seed=1),
+        "root": d,
+    }
 
 
 def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -36,16 +39,27 @@ def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 def _py(*args, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=ENV,
-                          cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout
+    )
 
 
 def _torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        *map(str, args),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout)
 
 
@@ -53,8 +67,9 @@ def _result(proc: subprocess.CompletedProcess) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise AssertionError(f"no RESULT line (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                         f"{proc.stderr[-5000:]}")
+    raise AssertionError(
+        f"no RESULT line (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
 
 
 def _assert_bit_exact(a_dir: Path, b_dir: Path) -> int:
@@ -93,15 +108,51 @@ def test_torchrun_layouts_bit_exact(tiny):
     """Under torchrun (2 processes): MoE written at EP=2 read back at TP=2 (+SP), dense written at
     TP=2 read back at PP=2; and the 1-process dense checkpoint read at TP=2. All bit-exact."""
     root = tiny["root"]
-    p = _torchrun(2, "-m", "megarl.cli", "convert", "hf-to-megatron", "--hf", tiny["moe"],
-                  "--out", root / "mg_moe_ep2", "--ep", "2")
+    p = _torchrun(
+        2,
+        "-m",
+        "megarl.cli",
+        "convert",
+        "hf-to-megatron",
+        "--hf",
+        tiny["moe"],
+        "--out",
+        root / "mg_moe_ep2",
+        "--ep",
+        "2",
+    )
     assert p.returncode == 0, p.stderr[-5000:]
     assert json.loads((root / "mg_moe_ep2" / "megarl.json").read_text())["layout"]["ep"] == 2
-    res = _result(_torchrun(
-        2, HERE / "convert_helpers.py", "convert",
-        "megatron-to-hf", "--ckpt", root / "mg_moe_ep2", "--out", root / "back_moe_tp2", "--tp", "2", "--",
-        "hf-to-megatron", "--hf", tiny["dense"], "--out", root / "mg_dense_tp2", "--tp", "2", "--",
-        "megatron-to-hf", "--ckpt", root / "mg_dense_tp2", "--out", root / "back_dense_pp2", "--pp", "2"))
+    res = _result(
+        _torchrun(
+            2,
+            HERE / "convert_helpers.py",
+            "convert",
+            "megatron-to-hf",
+            "--ckpt",
+            root / "mg_moe_ep2",
+            "--out",
+            root / "back_moe_tp2",
+            "--tp",
+            "2",
+            "--",
+            "hf-to-megatron",
+            "--hf",
+            tiny["dense"],
+            "--out",
+            root / "mg_dense_tp2",
+            "--tp",
+            "2",
+            "--",
+            "megatron-to-hf",
+            "--ckpt",
+            root / "mg_dense_tp2",
+            "--out",
+            root / "back_dense_pp2",
+            "--pp",
+            "2",
+        )
+    )
     assert res["rcs"] == [0, 0, 0], res
     assert _assert_bit_exact(tiny["moe"], root / "back_moe_tp2") == 45
     assert _assert_bit_exact(tiny["dense"], root / "back_dense_pp2") == 25
@@ -135,8 +186,9 @@ def test_missing_path_exits_2_without_traceback(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["no_config", "no_ckpt", "not_a_ckpt", "tp3", "pp3", "ep_dense",
-                                  "out_not_empty", "bad_hf_config"])
+@pytest.mark.parametrize(
+    "case", ["no_config", "no_ckpt", "not_a_ckpt", "tp3", "pp3", "ep_dense", "out_not_empty", "bad_hf_config"]
+)
 def test_bad_input_exit_2(tiny, tmp_path, capsys, case):
     """Checked before any process group starts: exit 2, a message naming the path or value."""
     from megarl.convert.cli import main
@@ -146,19 +198,31 @@ def test_bad_input_exit_2(tiny, tmp_path, capsys, case):
     out = tmp_path / "out"
     argv, want = {
         "no_config": (["hf-to-megatron", "--hf", empty, "--out", out], f"{empty}: no config.json"),
-        "no_ckpt": (["megatron-to-hf", "--ckpt", tmp_path / "nope", "--out", out],
-                    f"{tmp_path / 'nope'}: no such"),
-        "not_a_ckpt": (["megatron-to-hf", "--ckpt", empty, "--out", out],
-                       f"{empty}: not a Megatron checkpoint"),
+        "no_ckpt": (
+            ["megatron-to-hf", "--ckpt", tmp_path / "nope", "--out", out],
+            f"{tmp_path / 'nope'}: no such",
+        ),
+        "not_a_ckpt": (
+            ["megatron-to-hf", "--ckpt", empty, "--out", out],
+            f"{empty}: not a Megatron checkpoint",
+        ),
         "tp3": (["hf-to-megatron", "--hf", tiny["dense"], "--out", out, "--tp", "3"], "divisible by --tp 3"),
-        "pp3": (["hf-to-megatron", "--hf", tiny["dense"], "--out", out, "--pp", "3"],
-                "num_hidden_layers 2 is not divisible by --pp 3"),
-        "ep_dense": (["hf-to-megatron", "--hf", tiny["dense"], "--out", out, "--ep", "2"],
-                     "needs a MoE model"),
-        "out_not_empty": (["hf-to-megatron", "--hf", tiny["dense"], "--out", tiny["moe"]],
-                          f"{tiny['moe']}: exists and is not empty (pass --overwrite"),
-        "bad_hf_config": (["megatron-to-hf", "--ckpt", empty, "--out", out,
-                           "--hf-config", tmp_path / "cfg.json"], f"{tmp_path / 'cfg.json'}: no such file"),
+        "pp3": (
+            ["hf-to-megatron", "--hf", tiny["dense"], "--out", out, "--pp", "3"],
+            "num_hidden_layers 2 is not divisible by --pp 3",
+        ),
+        "ep_dense": (
+            ["hf-to-megatron", "--hf", tiny["dense"], "--out", out, "--ep", "2"],
+            "needs a MoE model",
+        ),
+        "out_not_empty": (
+            ["hf-to-megatron", "--hf", tiny["dense"], "--out", tiny["moe"]],
+            f"{tiny['moe']}: exists and is not empty (pass --overwrite",
+        ),
+        "bad_hf_config": (
+            ["megatron-to-hf", "--ckpt", empty, "--out", out, "--hf-config", tmp_path / "cfg.json"],
+            f"{tmp_path / 'cfg.json'}: no such file",
+        ),
     }[case]
     if case == "bad_hf_config":
         (empty / "megarl.json").write_text("{}")  # looks like a checkpoint: the config is checked next
