@@ -5,7 +5,12 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
+from megarl.catalogue import load_builtin
+
 torch.set_num_threads(1)
+
+# the composition root of the test session: the built-in method families register their parts
+load_builtin()
 
 # deadline=None: the first example pays for thread/process start-up; database=None: no stored
 # example replays on some ranks only. 'ci' keeps the suite within its time budget on 2 cores.

@@ -34,6 +34,9 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, conn) -> None:
     import torch
     import torch.distributed as dist
 
+    from megarl.catalogue import load_builtin
+
+    load_builtin()  # a worker is a composition root: cases may name any built-in part
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",

@@ -63,9 +63,9 @@ def save(run_dir: str | os.PathLike, step: int, learner, trainer_state: dict, ke
          objective_state: dict | None = None, method_state: dict | None = None) -> Path:
     """Write checkpoint ``step`` (collective over the world) and prune to the newest ``keep_last``.
 
-    ``objective_state``: the stateful objective parts (e.g. EPPO's running task entropies), saved
+    ``objective_state``: the stateful objective parts (e.g. a policy loss's running statistics), saved
     with torch.save next to the trainer state (identical on every rank: rank 0 writes it).
-    ``method_state``: the other method state (GEPO history, reward shaper, RRPO head), rank 0's."""
+    ``method_state``: the rest of the method state (estimator state, round processors, step hooks), rank 0's view."""
     from megarl.learner.checkpoint import save_checkpoint
 
     root = checkpoint_root(run_dir)

@@ -116,7 +116,7 @@ class RewardFunctionConfig:
 
 @dataclass
 class JudgeConfig:
-    """LLM-judge calls of judged reward shapers (CEDAR, CARE) through the rollout engine: each call
+    """LLM-judge calls of judged reward shapers (those that declare ``needs_judge``) through the rollout engine: each call
     is bounded by ``timeout_s``; failed or malformed replies are contained and counted."""
 
     timeout_s: float = 30.0

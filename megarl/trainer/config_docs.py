@@ -66,13 +66,8 @@ MEANINGS: dict[str, str] = {
     "objective.correction_high": "upper truncation bound of the correction weight",
     "objective.distill": "distillation term (DISTILLATION key; none = off)",
     "objective.distill_coef": "weight of the distillation term",
-    "credit.answer_pattern": "regex whose first group is a response's committed answer (DASH)",
-    "credit.rrpo.positive_prompt": "template of RRPO's positive anchor prompts (fields prompt, answer, wrong)",
-    "credit.rrpo.negative_prompt": "template of RRPO's negative anchor prompts",
-    "credit.rrpo.head_dim": "output size of RRPO's projection head",
-    "credit.rrpo.head_hidden": "hidden size of RRPO's projection head",
-    "credit.rrpo.lr": "Adam learning rate of the projection head",
-    "credit.rrpo.tau": "temperature of the set-contrastive loss",
+    "method": "a method by name ({name: <built-in>}) or from your package ({import: 'pkg.module:SPEC'}), plus its knobs",
+    "inputs": "knobs of batch-input providers, per input name (e.g. answer_checkpoints: {pattern: ...})",
     "sampling.dynamic": "DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts",
     "sampling.max_rounds": "cap on sampling rounds per step with dynamic sampling",
     "optimizer.lr": "peak learning rate (Adam)",
@@ -213,7 +208,11 @@ def missing_meanings() -> list[str]:
     """Keys that have neither a comment nor a ``MEANINGS`` entry."""
     missing = []
     for f in dataclasses.fields(C.TrainConfig):
-        missing += [r[0] for r in rows(typing.get_type_hints(C.TrainConfig)[f.name], f.name + ".") if not r[3]]
+        tp = typing.get_type_hints(C.TrainConfig)[f.name]
+        if not dataclasses.is_dataclass(tp):
+            missing += [] if MEANINGS.get(f.name) else [f.name]
+            continue
+        missing += [r[0] for r in rows(tp, f.name + ".") if not r[3]]
     for key, item in LIST_ITEMS.items():
         missing += [r[0] for r in rows(item, key + "[].") if not r[3]]
     return missing
@@ -232,6 +231,11 @@ def render() -> str:
     out = ["# Configuration reference", "", intro, "", usage, ""]
     for f in dataclasses.fields(C.TrainConfig):
         cls = hints[f.name]
+        if not dataclasses.is_dataclass(cls):  # a free-form section, checked by the parts it configures
+            out += [f"## `{f.name}`", "", MEANINGS[f.name] + ".", "", "| key | type | default | meaning |",
+                    "|---|---|---|---|", f"| `{f.name}` | {C._type_name(cls)} | {_fmt_default(_default(f))} | "
+                    f"{MEANINGS[f.name]} |", ""]
+            continue
         out += [f"## `{f.name}`", "", _section_doc(cls), "", "| key | type | default | meaning |",
                 "|---|---|---|---|"]
         for key, tp, default, meaning in rows(cls, f.name + "."):

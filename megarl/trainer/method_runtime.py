@@ -73,7 +73,7 @@ def check_inputs_section(cfg: Any) -> None:
 
 
 class AdvantageStage:
-    """The configured estimator with its knobs and state (GEPO's entropy history), made once per run."""
+    """The configured estimator with its knobs and state (e.g. an entropy history), made once per run."""
 
     def __init__(self, cfg: Any):
         self.name = cfg.advantage.estimator

@@ -21,6 +21,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from megarl.batch import PackedBatch  # noqa: E402
+from megarl.catalogue import load_builtin  # noqa: E402
+
+load_builtin()
 from megarl.convert.hf_megatron import ConversionError, iter_hf_tensors, load_hf_into_model  # noqa: E402
 from megarl.learner.learner import Learner, LearnerConfig, OptimConfig  # noqa: E402
 from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel  # noqa: E402
@@ -449,6 +452,115 @@ def case_groups(args, moe: bool, layout_name: str) -> dict:
             "ok": grown <= 4 and same_groups}
 
 
+# ----------------------------------------------------------------------------- config variants
+# name -> (moe, overrides of tiny_hf_config). Hidden 48 makes vocab x hidden of 1002 not a multiple of
+# 128 (the distributed optimizer pads its buckets to 128), that of 1024 a multiple.
+VARIANTS: dict[str, tuple[bool, dict]] = {
+    "tied1002": (False, dict(vocab_size=1002, hidden_size=48, tie_word_embeddings=True)),
+    "untied1002": (False, dict(vocab_size=1002, hidden_size=48)),
+    "tied1024": (False, dict(vocab_size=1024, hidden_size=48, tie_word_embeddings=True)),
+    "untied1024": (False, dict(vocab_size=1024, hidden_size=48)),
+    "gelutanh": (False, dict(hidden_act="gelu_pytorch_tanh")),
+    "gelu": (False, dict(hidden_act="gelu")),
+    "moedense": (True, dict(mlp_only_layers=[1])),  # layer 0 MoE, layer 1 dense
+    "moesparse2": (True, dict(num_hidden_layers=4, decoder_sparse_step=2)),  # layers 1, 3 MoE
+}
+
+
+def make_variant_hf(variant: str, workdir: str):
+    """Random-weight HF model of ``VARIANTS[variant]``, saved once (rank 0); returns (model, dir)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    moe, overrides = VARIANTS[variant]
+    cfg = dict(tiny_hf_config(moe), **overrides)
+    torch.manual_seed(2)
+    model = (Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)) if moe else Qwen3ForCausalLM(Qwen3Config(**cfg)))
+    model = model.float().eval()
+    d = os.path.join(workdir, f"hf-{variant}")
+    if dist.get_rank() == 0 and not os.path.exists(d):
+        model.save_pretrained(d)
+    dist.barrier()
+    return model, d
+
+
+def hf_ref_logprobs(hf, batch: PackedBatch) -> torch.Tensor:
+    """transformers' logprobs of ``batch.tokens`` in the batch convention (first token of each sequence 0)."""
+    ref = torch.log_softmax(hf_logits_per_seq(hf, batch), -1)
+    out = torch.zeros(batch.num_tokens)
+    cu = batch.cu_seqlens.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        out[a + 1:b] = ref[a:b - 1].gather(-1, batch.tokens[a + 1:b, None])[:, 0]
+    return out
+
+
+def _exported_mismatches(ln: Learner, hf_dir: str) -> list[str]:
+    """HF tensor names whose export differs from the safetensors file (or is missing/extra), all ranks."""
+    from safetensors import safe_open
+
+    exported = dict(iter_hf_tensors(ln.model, ln.groups))
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        bad = [k for k in keys if k not in exported or not torch.equal(f.get_tensor(k), exported[k])]
+    return bad + sorted(set(exported) - keys)
+
+
+def case_variant_parity(args, variant: str, layout_name: str) -> dict:
+    """A config variant: logprobs equal transformers', HF -> Megatron -> HF export bit-exact."""
+    hf, d = make_variant_hf(variant, args.workdir)
+    ln = learner_for(LAYOUTS[layout_name], d)
+    batch = make_batch(5)
+    lp, _ = ln.compute_logprobs(batch, num_micro_batches=2)
+    diff = max_over_world(float((lp - hf_ref_logprobs(hf, batch)).abs().max()))
+    bad = _exported_mismatches(ln, d)
+    nbad = max_over_world(len(bad))
+    return {"vs_hf": diff, "export_mismatched": bad[:5], "moe_layers": list(ln.spec.moe_layers),
+            "ok": diff <= PARITY_TOL and nbad == 0}
+
+
+def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Names of tensors of ``a`` not bit-equal in ``b``, with their max abs difference."""
+    return {k: float((a[k] - b[k]).abs().max()) for k in a if not torch.equal(a[k], b[k])}
+
+
+def case_checkpoint_exact(args, variant: str, layout_name: str, load_layout: str | None = None) -> dict:
+    """After save -> load every parameter equals the saved one bit for bit (loaded in the same layout
+    and in ``load_layout``); one more step then equals the uninterrupted run (bit-exact in the same
+    layout, within PARAM_TOL after resharding)."""
+    from megarl.learner.checkpoint import load_checkpoint, save_checkpoint
+
+    _, d = make_variant_hf(variant, args.workdir)
+    batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    optim = OptimConfig(lr=1e-3, adam_eps=1e-6)
+    ln = learner_for(LAYOUTS[layout_name], d, optim=optim)
+    ln.train_step(dp_shard(batch, ln), PolicyGradientObjective())
+    saved = {k: v.clone() for k, v in iter_hf_tensors(ln.model, ln.groups)}  # may be views of the params
+    ckpt = os.path.join(args.workdir, f"ckexact-{variant}-{layout_name}")
+    save_checkpoint(ln, ckpt)
+    ln.train_step(dp_shard(batch, ln), PolicyGradientObjective())
+    stepped = dict(iter_hf_tensors(ln.model, ln.groups))
+    res: dict = {}
+    ok = True
+    for target in dict.fromkeys([layout_name, load_layout or layout_name]):
+        ln2 = learner_for(LAYOUTS[target], d, optim=optim)
+        load_checkpoint(ln2, ckpt)
+        after_load = _differing(saved, dict(iter_hf_tensors(ln2.model, ln2.groups)))
+        ln2.train_step(dp_shard(batch, ln2), PolicyGradientObjective())
+        p = dict(iter_hf_tensors(ln2.model, ln2.groups))
+        d_step = max(float((p[k] - stepped[k]).abs().max()) for k in stepped)
+        n_bad = int(max_over_world(len(after_load)))
+        d_step = max_over_world(d_step)
+        tol = 0.0 if target == layout_name else PARAM_TOL
+        res[target] = {"tensors": len(saved), "differ_after_load": n_bad,
+                       "max_diff_after_load": max(after_load.values(), default=0.0),
+                       "examples": sorted(after_load)[:3], "d_params_after_step": d_step}
+        ok &= n_bad == 0 and d_step <= tol
+    res["ok"] = ok
+    return res
+
+
+VARIANT_CASES = {"vparity": case_variant_parity, "ckexact": case_checkpoint_exact}
+
+
 CASES = {
     "groups": case_groups, "frozen": case_frozen,
     "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
@@ -459,8 +571,11 @@ CASES = {
 
 
 def run_case(spec: str, args) -> dict:
-    """``name:dense|moe:layout[:micro | :load_layout]``"""
+    """``name:dense|moe:layout[:micro | :load_layout]``, or ``name:variant:layout[:load_layout]`` for
+    the ``VARIANT_CASES`` (``variant`` a key of ``VARIANTS``)."""
     parts = spec.split(":")
+    if parts[0] in VARIANT_CASES:  # name:variant:layout[:load_layout]
+        return VARIANT_CASES[parts[0]](args, parts[1], parts[2], *parts[3:])
     fn = CASES[parts[0]]
     moe = parts[1] == "moe"
     kw = {}

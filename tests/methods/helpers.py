@@ -20,7 +20,7 @@ def load_example(name: str) -> dict:
     """Load examples/methods/NAME.yaml and check every section: the estimator and its knobs (as the
     trainer does), the objective (built), and the reward-shaping section (built)."""
     cfg = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
-    assert set(cfg) <= {"advantage", "objective", "reward", "credit", "environment"}, \
+    assert set(cfg) <= {"advantage", "objective", "reward", "inputs", "environment", "method"}, \
         f"{name}.yaml: unexpected sections {sorted(cfg)}"
     adv = dict(cfg["advantage"])
     est = adv.pop("estimator")

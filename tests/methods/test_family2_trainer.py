@@ -17,7 +17,7 @@ FAMILY2 = ["softmax-grpo", "taco", "gepo", "dash", "gigpo", "pgpo", "rspo", "rew
 
 def spliced(name: str) -> dict:
     """The quickstart config with the example's sections: advantage/objective replaced, the other
-    sections (reward.shaping, reward.functions, credit) merged key by key."""
+    sections (reward.shaping, reward.functions, inputs) merged key by key."""
     d = yaml.safe_load(QUICKSTART.read_text())
     ex = yaml.safe_load((ROOT / "examples" / "methods" / f"{name}.yaml").read_text())
     for k, v in ex.items():

@@ -6,10 +6,10 @@
 The run is the quickstart (examples/quickstart.yaml or examples/quickstart-moe.yaml), shrunk. The
 expensive parts are shared by all examples: process group, parallel layout, data, the embedded
 engine and the initial policy (a short supervised warm-up, written once). Per example the real
-trainer code builds what a run builds (``Trainer._build_policy_and_method``: a fresh learner and
-optimizer holding the initial policy, the reference when needed, the objective, the method inputs;
-``Trainer._rank0_methods``: the reward shaper / judge / RRPO scorer), resets the engine to the
-initial weights and the sampler, and runs ``Trainer._step`` ``--steps`` times.
+trainer code builds what a run builds (``Run.build_learners``: a fresh learner and optimizer
+holding the initial policy, the learner-side method parts, the objective; ``Run.build_rank0_parts``:
+the round processors and the rollout collector), resets the engine to the initial weights and the
+sampler, and runs ``Trainer.step`` ``--steps`` times.
 
 Per example, rank 0 prints (and appends to ``--out``) one JSON line: the metrics of every step,
 the largest parameter change (max over ranks), the method's checkpoint state after a save/load
@@ -39,6 +39,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "methods"
+PLUGINS = ROOT / "examples" / "plugins"  # third-party methods (their modules are imported from here)
 QUICKSTART = {"dense": ROOT / "examples" / "quickstart.yaml", "moe": ROOT / "examples" / "quickstart-moe.yaml"}
 
 # Examples the trainer cannot run yet, with the reason (the pytest side reports them as skipped).
@@ -48,8 +49,14 @@ FORMAT_REWARD = {"name": "format", "kind": "regex", "pattern": r"^\d+$", "weight
 
 
 def example_names() -> list[str]:
-    """Every example file's stem, sorted."""
-    return sorted(p.stem for p in EXAMPLES.glob("*.yaml"))
+    """Every example file's stem (methods and plugins), sorted."""
+    return sorted(p.stem for d in (EXAMPLES, PLUGINS) for p in d.glob("*.yaml"))
+
+
+def example_path(name: str) -> Path:
+    """The example file of ``name`` (examples/methods or examples/plugins)."""
+    p = EXAMPLES / f"{name}.yaml"
+    return p if p.exists() else PLUGINS / f"{name}.yaml"
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -78,7 +85,7 @@ def base_config(model: str, work: Path, steps: int) -> dict:
                      "eval_every": 0, "eval_samples": 4, "eval_k": 1},
         "optimizer": {"lr_warmup_steps": 0},  # both steps update the weights
         "checkpoint": {"every": 1000},
-        "credit": {"rrpo": {"anchors": 2, "head_steps": 5}},
+        "inputs": {"rrpo_scores": {"anchors": 2, "head_steps": 5}},
         "teacher": {"hf_dir": str(work / "teacher")},  # written by _setup (on-policy distillation)
         "logging": {"run_dir": str(work / "run"), "plot": False},
     })
@@ -86,7 +93,7 @@ def base_config(model: str, work: Path, steps: int) -> dict:
 
 def example_config(base: dict, name: str) -> dict:
     """``base`` with the example's sections spliced in (advantage and objective replaced whole)."""
-    ex = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()) or {}
+    ex = yaml.safe_load(example_path(name).read_text()) or {}
     d = merge(base, ex)
     if "reward" in ex and "functions" in ex["reward"]:
         d["reward"]["functions"] = ex["reward"]["functions"]
@@ -94,12 +101,12 @@ def example_config(base: dict, name: str) -> dict:
     return d
 
 
-def _params(trainer) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in trainer.learner.model.parameters()]
+def _params(run) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in run.learner.model.parameters()]
 
 
-def _max_change(before: list[torch.Tensor], trainer) -> float:
-    d = max((float((p.detach() - b).abs().max()) for p, b in zip(trainer.learner.model.parameters(), before)),
+def _max_change(before: list[torch.Tensor], run) -> float:
+    d = max((float((p.detach() - b).abs().max()) for p, b in zip(run.learner.model.parameters(), before)),
             default=0.0)
     t = torch.tensor([d], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -113,116 +120,115 @@ def _roundtrip(state: dict) -> dict:
     return torch.load(buf, weights_only=True)
 
 
-def _state_summary(trainer) -> dict:
+def _state_summary(run) -> dict:
     """The method state a checkpoint would hold, after a torch.save/load round trip, restored into
-    freshly built parts (the resume path); returns its keys per part."""
+    freshly built parts (the resume path); returns its keys per part (round processors named by
+    what they are: the reward shaper, RRPO's scorer)."""
+    import dataclasses
+
     from megarl.objectives.rl_objective import build_objective
-    from megarl.trainer.method_inputs import MethodInputs
+    from megarl.trainer.method_runtime import MethodRuntime
 
-    obj = _roundtrip(trainer.objective.state_dict())
-    build_objective(trainer.cfg.objective).load_state_dict(obj)
-    meth = _roundtrip(trainer._method_state())
-    MethodInputs(trainer.cfg).load_state_dict(meth.get("inputs", {}))
-    if dist.get_rank() == 0:
-        shaping, _ = trainer._rank0_methods(meth)  # loads the saved shaper/head state
-        if shaping is not None:
-            assert shaping.state_dict().keys() == meth["shaping"].keys()
-    return {"objective": sorted(obj), "method": {k: sorted(v) if isinstance(v, dict) else v for k, v in meth.items()}}
+    obj = _roundtrip(run.objective.state_dict())
+    build_objective(run.cfg.objective).load_state_dict(obj)
+    meth = _roundtrip(run.method.state_dict())
+    ctx = dataclasses.replace(run.context(run.engine), make_learner=lambda *a, **k: None, policy=None)
+    fresh = MethodRuntime.build_learner_side(ctx, run.spec)
+    fresh.build_rank0_side(ctx, run.spec, run.method_knobs)
+    fresh.load_state_dict(meth, rank0=dist.get_rank() == 0)
+    summary = {"inputs": ["estimator"] if meth["estimator"] is not None else []}
+    names = {"ShapingProcessor": "shaping", "RRPOScorer": "rrpo"}
+    for proc, st in zip(run.method.round_processors, meth["round_processors"]):
+        summary[names.get(type(proc).__name__, type(proc).__name__)] = sorted(st)
+    if meth["step_hooks"]:
+        summary["step_hooks"] = [sorted(h) for h in meth["step_hooks"]]
+    return {"objective": sorted(obj), "method": summary}
 
 
-def _setup(trainer, model: str) -> Path:
+def _setup(run, model: str) -> Path:
     """Everything the examples share: process group, layout, data, initial policy, engine."""
-    from megarl.data.dataset import PromptSampler
     from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel
+    from megarl.rundir import INIT_POLICY
     from megarl.trainer.config import check_layout
-    from megarl.trainer.loop import INIT_POLICY
+    from megarl.trainer.setup import load_datasets, tokenizer_and_hf_config
+    from megarl.trainer.warmup import run_warmup
 
-    cfg = trainer.cfg
-    tok, hf = trainer._tokenizer_and_hf_config()
-    check_layout(cfg, hf, int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = run.cfg
+    run.tok, run.hf = tokenizer_and_hf_config(cfg)
+    check_layout(cfg, run.hf, int(os.environ.get("WORLD_SIZE", "1")))
     init_distributed()
-    trainer.tok, trainer.hf = tok, hf
+    run.rank0 = dist.get_rank() == 0
     # rank 0 writes the dataset first (the other ranks read it)
-    if dist.get_rank() == 0:
-        trainer.train_ds, trainer.eval_ds = trainer._load_data(tok)
+    if run.rank0:
+        run.train_ds, run.eval_ds = load_datasets(cfg, run.tok)
     dist.barrier()
-    if dist.get_rank() != 0:
-        trainer.train_ds, trainer.eval_ds = trainer._load_data(tok)
+    if not run.rank0:
+        run.train_ds, run.eval_ds = load_datasets(cfg, run.tok)
     p = cfg.parallel
-    trainer.groups = initialize_parallel(ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp,
-                                                        sequence_parallel=p.sequence_parallel, expert_tp=p.expert_tp),
-                                         seed=cfg.model.seed)
-    trainer.failures_total = {"errors": 0, "timeouts": 0}
-    trainer.sampler = PromptSampler(len(trainer.train_ds), cfg.schedule.seed)
-    init_dir = trainer.run_dir / INIT_POLICY
-    if dist.get_rank() == 0:
-        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+    run.groups = initialize_parallel(ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp,
+                                                    sequence_parallel=p.sequence_parallel, expert_tp=p.expert_tp),
+                                     seed=cfg.model.seed)
+    run.failures_total = {"errors": 0, "timeouts": 0}
+    run.rewards = None
+    init_dir = run.run_dir / INIT_POLICY
+    if run.rank0:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    trainer._warmup(init_dir)
-    _write_teacher(trainer, Path(cfg.teacher.hf_dir))
+    run_warmup(run, init_dir)
+    _write_teacher(run, Path(cfg.teacher.hf_dir))
     dist.barrier()
-    trainer.engine = trainer._make_engine() if dist.get_rank() == 0 else None
-    trainer.loop = trainer._make_event_loop()
+    run.build_engine()
     return init_dir
 
 
-def _fault_monitor(trainer) -> None:
-    """What ``Trainer.run`` builds beside the learner when the config has a ``faults`` section."""
-    if not hasattr(trainer.cfg, "faults"):
-        return
-    from megarl.faults.monitor import FaultMonitor
-    from megarl.trainer.config import to_dict
-
-    trainer.faults = FaultMonitor(trainer.cfg.faults, trainer.learner, trainer.groups, trainer.run_dir, trainer.hf,
-                                  to_dict(trainer.cfg), [])
-
-
-def _write_teacher(trainer, out: Path) -> None:
+def _write_teacher(run, out: Path) -> None:
     """A teacher for the distillation example: the policy's architecture with other random weights
     (model.seed + 1), written in megarl's HF export format (collective)."""
-    import dataclasses
-
     from megarl.convert.hf_megatron import save_hf_checkpoint
-    from megarl.trainer.policy import build_learner
+    from megarl.learner.factory import build_learner
 
     if out.is_dir():
         return
-    cfg = trainer.cfg
-    tcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seed=cfg.model.seed + 1))
-    ln = build_learner(tcfg, trainer.hf, trainer.groups, trainable=False)
-    save_hf_checkpoint(ln.model, trainer.groups, out, hf_config=trainer.hf)
+    c = run.cfg
+    ln = build_learner(run.hf, run.groups, c.optimizer, c.model.params_dtype, c.model.seed + 1, trainable=False)
+    save_hf_checkpoint(ln.model, run.groups, out, hf_config=run.hf)
     del ln
 
 
-def run_example(trainer, name: str, cfg, init_dir: Path, steps: int) -> dict:
+def run_example(run, name: str, cfg, init_dir: Path, steps: int) -> dict:
     """Build the example's parts with the trainer's own code and run ``steps`` steps."""
     from megarl.data.dataset import PromptSampler
     from megarl.rewards.compute import RewardComputer
+    from megarl.trainer.config import method_knobs, method_of
+    from megarl.trainer.loop import SyncRollouts, Trainer
 
-    rank0 = dist.get_rank() == 0
-    if rank0 and getattr(trainer, "rewards", None) is not None:
-        trainer.rewards.close()
-    trainer.cfg = cfg
-    trainer.rewards = RewardComputer(cfg.reward) if rank0 else None
-    trainer.sampler = PromptSampler(len(trainer.train_ds), cfg.schedule.seed)
-    trainer._build_policy_and_method(init_dir)
-    _fault_monitor(trainer)
-    trainer.shaping, trainer.rrpo = trainer._rank0_methods({}) if rank0 else (None, None)
-    trainer._sync_weights(version=0)  # the engine back to the initial policy
-    before = _params(trainer)
+    if run.rank0 and run.rewards is not None:
+        run.rewards.close()
+    run.cfg = cfg
+    run.rewards = RewardComputer(cfg.reward) if run.rank0 else None
+    run.sampler = PromptSampler(len(run.train_ds), cfg.schedule.seed)
+    run.spec = method_of(cfg)
+    run.method_knobs = method_knobs(cfg, run.spec)
+    run.build_learners(init_dir)
+    run.build_faults()
+    run.build_rank0_parts()
+    trainer = Trainer(cfg)
+    trainer.r, trainer.source = run, SyncRollouts(run)
+    trainer.source.update_weights(0)  # the engine back to the initial policy
+    before = _params(run)
     recs = []
     for s in range(1, steps + 1):
         t0 = time.time()
-        rec = trainer._step(s)
+        rec = trainer.step(s)
         rec["wall_s"] = time.time() - t0
         recs.append({k: v for k, v in rec.items() if isinstance(v, (int, float, str))})
-    return {"steps": recs, "param_change": _max_change(before, trainer), "state": _state_summary(trainer)}
+    return {"steps": recs, "param_change": _max_change(before, run), "state": _state_summary(run)}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the examples; one JSON line per example on rank 0."""
     from megarl.trainer.config import apply_overrides, from_dict
-    from megarl.trainer.loop import Trainer
+    from megarl.trainer.run import Run
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(QUICKSTART), default="dense")
@@ -240,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     base = apply_overrides(base_config(args.model, work, args.steps), args.set)
     names = [n for n in (args.only.split(",") if args.only else example_names()) if n]
     t_all = time.time()
-    trainer = Trainer(from_dict(base))
-    init_dir = _setup(trainer, args.model)
+    run = Run(from_dict(base))
+    init_dir = _setup(run, args.model)
     rank0 = dist.get_rank() == 0
     for name in names:
         t0 = time.time()
@@ -251,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 cfg = from_dict(example_config(base, name))
-                res.update(run_example(trainer, name, cfg, init_dir, args.steps))
+                res.update(run_example(run, name, cfg, init_dir, args.steps))
             except Exception as e:  # reported per example; the pytest side fails that example
                 res["error"] = f"{type(e).__name__}: {e}"
                 res["traceback"] = traceback.format_exc()[-3000:]
@@ -267,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(line + "\n")
     if rank0:
         print(f"SMOKE-DONE {len(names)} examples in {time.time() - t_all:.1f}s", flush=True)
-        trainer.rewards.close() if getattr(trainer, "rewards", None) else None
-        if trainer.engine is not None:
-            trainer.loop.run_until_complete(trainer.engine.close())
+        if run.rewards is not None:
+            run.rewards.close()
+        if run.engine is not None:
+            run.loop.run_until_complete(run.engine.close())
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -277,4 +284,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(PLUGINS))
     sys.exit(main())

@@ -27,10 +27,12 @@ from megarl.data.dataset import PromptDataset, PromptRow, PromptSampler
 from megarl.data.tokenizer import CharTokenizer
 from megarl.rewards.compute import RewardComputer
 from megarl.rollout.embedded import EmbeddedEngine, teacher_forced_logprobs
-from megarl.trainer.async_loop import AsyncTrainer, ThreadEventLoop, staleness_of, too_stale, trainer_class
+from megarl.rollout.embedded import hf_model_from_config
+from megarl.trainer.async_loop import AsyncRollouts, AsyncTrainer, ThreadEventLoop, staleness_of, too_stale
 from megarl.trainer.config import ConfigError, from_dict
-from megarl.trainer.loop import Trainer
-from megarl.trainer.policy import hf_model_from_config
+from megarl.trainer.loop import Trainer, trainer_class
+from megarl.trainer.method_runtime import MethodRuntime
+from megarl.trainer.run import Run
 
 ROOT = Path(__file__).parents[2]
 HF = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -59,13 +61,26 @@ def test_staleness_helpers():
 
 
 # ----------------------------------------------------------------------------------------- producer
-class _Trainer(AsyncTrainer):
+class _Run(Run):
     """Samples run to max_new_tokens (no EOS stop) so that a request is long enough to be caught
     in flight by a weight update."""
 
-    def _sampling_params(self, step, rnd, i, greedy=False):
-        return dataclasses.replace(super()._sampling_params(step, rnd, i, greedy), ignore_eos=True,
+    def sampling_params(self, step, rnd, i, greedy=False):
+        return dataclasses.replace(super().sampling_params(step, rnd, i, greedy), ignore_eos=True,
                                    stop_token_ids=())
+
+
+class _Trainer:
+    """The asynchronous rollout source over an embedded engine, as ``AsyncTrainer`` assembles it."""
+
+    def __init__(self, source: AsyncRollouts):
+        self.source, self.engine, self.loop, self.producer = source, source.run.engine, source.run.loop, source.producer
+
+    def _start_producer(self, step: int) -> None:
+        self.source.start()
+
+    def _rollout(self, step: int):
+        return self.source.take(step)
 
 
 def make_trainer(partial: str, tmp: Path) -> _Trainer:
@@ -73,20 +88,24 @@ def make_trainer(partial: str, tmp: Path) -> _Trainer:
                          rollout={"n": 3, "max_new_tokens": 80}, schedule={"prompts_per_step": 3, "steps": 2},
                          async_loop={"enabled": True, "max_staleness": 1, "partial_rollout": partial},
                          logging={"run_dir": str(tmp)}))
-    t = _Trainer(cfg)
-    t.tok = CharTokenizer(cfg.model.alphabet)
+    run = _Run(cfg)
+    run.rank0, run.tok, run.hf = True, CharTokenizer(cfg.model.alphabet), dict(HF)
     torch.manual_seed(0)
-    model = hf_model_from_config(dict(HF, vocab_size=t.tok.vocab_size, eos_token_id=1, pad_token_id=0,
+    model = hf_model_from_config(dict(HF, vocab_size=run.tok.vocab_size, eos_token_id=1, pad_token_id=0,
                                       bos_token_id=2))
-    t.engine = EmbeddedEngine(model, eos_token_ids=[1], weight_version="0")
-    t.loop = ThreadEventLoop()
+    run.engine = EmbeddedEngine(model, eos_token_ids=[1], weight_version="0")
+    run.loop = ThreadEventLoop()
     rows = [PromptRow(prompt=f"R {i:03d}=", answer=f"{i:03d}"[::-1], task="reverse", source=f"mem:{i}")
             for i in range(50)]
-    t.train_ds = PromptDataset(rows)
-    t.sampler = PromptSampler(len(rows), 0)
-    t.rewards = RewardComputer(cfg.reward)
-    t.failures_total = {"errors": 0, "timeouts": 0}
-    return t
+    run.train_ds, run.eval_ds = PromptDataset(rows), None
+    run.sampler = PromptSampler(len(rows), 0)
+    run.rewards = RewardComputer(cfg.reward)
+    run.failures_total = {"errors": 0, "timeouts": 0}
+    run.spec = run.method_knobs = None
+    run.method = MethodRuntime.build_learner_side(run.context())
+    source = AsyncRollouts(run, 0)
+    run.build_rank0_parts(wrap_engine=source.producer.gate)
+    return _Trainer(source)
 
 
 def update_while_in_flight(t: _Trainer) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -158,10 +177,9 @@ def overrides(tmp: Path, run_dir: Path, steps: int) -> list[str]:
             "checkpoint.every=2", "checkpoint.keep_last=3", "logging.plot=false"]
 
 
-def run(args: list[str]) -> str:
+def run(args: list[str], config: Path = ROOT / "examples" / "quickstart.yaml") -> str:
     env = {"MEGARL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    p = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(ROOT / "examples" / "quickstart.yaml"),
-                        *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    p = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(config), *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 
@@ -213,6 +231,29 @@ def test_async_quickstart_respects_the_staleness_bound_and_resumes_its_queue(tmp
 
 DETERMINISTIC = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/entropy", "train/grad_norm",
                  "adv/std", "rollout/response_len", "rollout/example")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example, signal", [("reward-floor", "shaping/reward_floor/copied_frac"),
+                                             ("gigpo", "adv/steps_per_seq")])
+def test_async_loop_runs_reward_shaping_and_multi_turn_methods(example, signal, tmp_path):
+    """The asynchronous producer runs the same collector as the synchronous loop: a reward shaper
+    (round processor) and a multi-turn workflow (environment: retry) work there too."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    for section, body in yaml.safe_load((ROOT / "examples" / "methods" / f"{example}.yaml").read_text()).items():
+        cfg[section] = body if section in ("advantage", "objective") else {**cfg.get(section, {}), **body}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    run(overrides(tmp_path, run_dir, steps=2) + ["async_loop.enabled=true", "async_loop.max_staleness=1"],
+        config=tmp_path / "cfg.yaml")
+    m = metrics(run_dir)
+    for s in (1, 2):
+        assert signal in m[s], sorted(m[s])
+        assert all(0 <= s - 1 - int(v) <= 1 for v in m[s]["async/versions"])
+    if example == "gigpo":
+        assert max(m[s]["adv/steps_per_seq"] for s in (1, 2)) > 1.0  # real multi-turn episodes
 
 
 @pytest.mark.slow

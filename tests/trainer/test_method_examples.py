@@ -110,6 +110,8 @@ def check_signal(name: str, r: dict) -> None:
     elif name == "core-onpolicy-distill":
         d = _any(r, "train/distill")  # teacher logprobs from the forward-only teacher learner
         assert len(d) == STEPS and any(x != 0 for x in d), d
+    elif name == "bounded-advantages":  # the plugin: its step hook ran and its state is checkpointed
+        assert len(_any(r, "bounded/clipped_frac")) == STEPS and st["method"]["step_hooks"] == [["clipped_total"]]
     elif name in ("core-grpo", "core-reinforce-pp-baseline"):
         assert len(_any(r, "train/kl")) == STEPS  # the frozen reference learner was built
     else:  # losses with their own token diagnostics

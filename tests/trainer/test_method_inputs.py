@@ -14,12 +14,65 @@ import yaml
 from megarl.batch import from_sequences
 from megarl.data.tokenizer import CharTokenizer
 from megarl.trainer.config import ConfigError, from_dict
-from megarl.trainer.method_inputs import MethodInputs, required_inputs, single_turn_spans
-from megarl.trainer.multiturn import RetryTask, apply_episode_structure
-from megarl.trainer.shaping import JudgeTokenizer, RewardShaping, RoundRewards, evidence_items, words
+import asyncio
+from pathlib import Path
+
+from megarl.methods.credit.inputs import single_turn_spans
+from megarl.plugin.context import RunContext
+from megarl.plugin.core_inputs import teacher_hf_config
+from megarl.plugin.inputs import RolloutInfo
+from megarl.plugin.rounds import RolloutRound
+from megarl.rewards.shaping.cedar import evidence_items
+from megarl.rewards.shaping.judge import JudgeTokenizer
+from megarl.rewards.shaping.processor import ShapingProcessor
+from megarl.rewards.shaping.reward_floor import words
+from megarl.rollout.workflow import RetryTask
+from megarl.trainer.method_runtime import MethodRuntime, required_inputs
+from megarl.trainer.rollouts import apply_episode_structure
 from tests.methods.test_family2_trainer import QUICKSTART, spliced
 
 BASE = yaml.safe_load(QUICKSTART.read_text())
+
+
+def context(cfg) -> RunContext:
+    """A run context without learners or engine (batch-side parts only)."""
+    tok = CharTokenizer(cfg.model.alphabet)
+    return RunContext(cfg=cfg, tokenizer=tok, hf_config={}, rank0=True, init_dir=Path("unused"),
+                      make_learner=lambda *a, **k: None)
+
+
+class MethodInputs:
+    """The method side of a run as the trainer composes it, minus learners and engine."""
+
+    def __init__(self, cfg):
+        self.rt = MethodRuntime.build_learner_side(context(cfg))
+        self.estimator_state = self.rt.advantages.state
+
+    def fill_batch(self, batch, tok, answers, reward_dims, extras=None):
+        self.rt.fill_batch_inputs(batch, RolloutInfo(answers, reward_dims, extras or {}))
+
+    def advantages(self, batch):
+        return self.rt.advantages(batch)
+
+    def state_dict(self):
+        return self.rt.state_dict()
+
+    def load_state_dict(self, st):
+        self.rt.load_state_dict(st)
+
+
+class RewardShaping:
+    """The configured shaper as the collector runs it (a round processor)."""
+
+    def __init__(self, cfg, run=None):
+        rewards = None
+        self.p = ShapingProcessor(RunContext(cfg=cfg, tokenizer=None, hf_config={}, rank0=True,
+                                             init_dir=Path("unused"), make_learner=lambda *a, **k: None,
+                                             score=rewards))
+
+    def shape(self, r, step):
+        r.step = step
+        return asyncio.run(self.p.process(r))
 
 
 def cfg_with(**sections) -> dict:
@@ -35,14 +88,16 @@ def cfg_with(**sections) -> dict:
     ({"reward": {"shaping": {"name": "amrp", "eta": "high"}}}, "reward.shaping.eta='high' must be a number"),
     ({"reward": {"shaping": ["amrp"]}}, "reward.shaping"),
     ({"reward": {"judge": {"timeout_s": 0}}}, "reward.judge.timeout_s=0"),
-    ({"credit": {"answer_pattern": "(unclosed"}}, "credit.answer_pattern"),
-    ({"credit": {"rrpo": {"anchors": 1}}, "advantage": {"estimator": "rrpo"}}, "credit.rrpo.anchors=1"),
-    ({"credit": {"rrpo": {"positive_prompt": "{gold} {prompt}"}}}, "credit.rrpo.positive_prompt"),
-    ({"credit": {"rrpo": {"head_stepz": 3}}}, "unknown key credit.rrpo.head_stepz"),
+    ({"inputs": {"answer_checkpoints": {"pattern": "(unclosed"}}}, "inputs.answer_checkpoints: pattern"),
+    ({"inputs": {"rrpo_scores": {"anchors": 1}}, "advantage": {"estimator": "rrpo"}}, "inputs.rrpo_scores: anchors=1"),
+    ({"inputs": {"rrpo_scores": {"positive_prompt": "{gold} {prompt}"}}}, "inputs.rrpo_scores: positive_prompt"),
+    ({"inputs": {"rrpo_scores": {"head_stepz": 3}}}, "unknown key inputs.rrpo_scores.head_stepz"),
+    ({"inputs": {"nope": {}}}, "no provider for batch input 'nope'"),
+    ({"method": {"name": "nope"}}, "method.name='nope'; built-in methods"),
+    ({"method": {"import": "no_such_pkg.mod:SPEC"}}, "method.import='no_such_pkg.mod:SPEC': cannot import"),
     ({"environment": {"name": "maze"}}, "environment.name='maze'; allowed"),
     ({"environment": {"max_turns": 0}}, "environment.max_turns=0"),
     ({"environment": {"feedback": "{answer}"}}, "environment.feedback"),
-    ({"environment": {"name": "retry"}, "async_loop": {"enabled": True}}, "async_loop.enabled=true: environment"),
     ({"objective": {"policy_loss": "none", "distill": "forward_kl", "distill_coef": 1.0}},
      "objective.distill='forward_kl' needs the teacher's full-vocabulary logits"),
     ({"teacher": {"hf_dirr": "x"}}, "unknown key teacher.hf_dirr"),
@@ -59,7 +114,7 @@ def test_bad_method_sections_name_the_key(section, msg):
     ("core-onpolicy-distill", {"teacher_logprobs"}),
 ])
 def test_required_inputs_of_the_examples(name, want):
-    assert required_inputs(from_dict(spliced(name))) == want
+    assert set(required_inputs(from_dict(spliced(name)))) == want
 
 
 def _batch():
@@ -118,7 +173,9 @@ def test_gepo_state_round_trip_and_mismatch_named():
 def _round(dims: dict[str, list[float]], weights: dict[str, float], texts, prompts, n=2):
     d = {k: torch.tensor(v) for k, v in dims.items()}
     scalar = sum(weights[k] * d[k] for k in d)
-    return RoundRewards(prompts, ["321"] * len(prompts), list(range(len(prompts))), texts, d, scalar, n)
+    G = len(prompts)
+    return RolloutRound(prompts, ["321"] * G, list(range(G)), [[0]] * G, [[0]] * (G * n), texts, d, scalar, n,
+                        step=1, round=0, weights=dict(weights))
 
 
 def test_reward_floor_on_words_of_the_prompt():
@@ -192,14 +249,12 @@ def test_episode_structure_masks_observations():
 def test_teacher_needs_a_checkpoint_with_the_policy_vocabulary(tmp_path):
     import json
 
-    from megarl.trainer.method_inputs import teacher_hf_config
-
     cfg = from_dict(spliced("core-onpolicy-distill"))
-    with pytest.raises(ConfigError, match="needs teacher.hf_dir"):
+    with pytest.raises(ValueError, match="needs teacher.hf_dir"):
         teacher_hf_config(cfg, {"vocab_size": 24})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 32, "eos_token_id": 9}))
     cfg.teacher.hf_dir = str(tmp_path)
-    with pytest.raises(ConfigError, match="vocab_size 32 differs from the policy's 24"):
+    with pytest.raises(ValueError, match="vocab_size 32 differs from the policy's 24"):
         teacher_hf_config(cfg, {"vocab_size": 24})
     hf = teacher_hf_config(cfg, {"vocab_size": 32, "eos_token_id": 1})
     assert hf["eos_token_id"] == 1  # the policy tokenizer's special ids
