@@ -85,14 +85,20 @@ def method_spec(section: dict) -> Any:
     elif "name" in section:
         name = section["name"]
         if name not in METHODS:
-            raise ValueError(f"method.name={name!r}; built-in methods: {', '.join(sorted(METHODS))} "
-                             "(or method.import: 'package.module:SPEC' for your own)")
+            raise ValueError(
+                f"method.name={name!r}; built-in methods: {', '.join(sorted(METHODS))} "
+                "(or method.import: 'package.module:SPEC' for your own)"
+            )
         spec = load_object(METHODS[name], f"method {name!r}")
     else:
-        raise ValueError("the method section needs 'name' (a built-in method) or 'import' ('package.module:SPEC')")
+        raise ValueError(
+            "the method section needs 'name' (a built-in method) or 'import' ('package.module:SPEC')"
+        )
     if not isinstance(spec, MethodSpec):
-        raise ValueError(f"method {section.get('import', section.get('name'))!r} is a {type(spec).__name__}, "
-                         "not a megarl.plugin.spec.MethodSpec")
+        raise ValueError(
+            f"method {section.get('import', section.get('name'))!r} is a {type(spec).__name__}, "
+            "not a megarl.plugin.spec.MethodSpec"
+        )
     if spec.register is not None and id(spec) not in _registered:
         spec.register()
         _registered.add(id(spec))

@@ -69,7 +69,9 @@ class Registry(Generic[F]):
         try:
             return self._items[name]
         except KeyError:
-            raise KeyError(f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self._items))}") from None
+            raise KeyError(
+                f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self._items))}"
+            ) from None
 
     def info(self, name: str) -> PartInfo:
         """The ``PartInfo`` of ``name`` (a KeyError lists the allowed names)."""

@@ -1,9 +1,9 @@
 """What a run directory holds, readable without the trainer (faults, proxies and tools use it).
 
-    run_dir/config.resolved.yaml   the fully resolved config
-    run_dir/init_policy/           HF weights after the warm-up (the RL start and the KL reference)
-    run_dir/metrics.jsonl          one JSON record per step
-    run_dir/checkpoints/step_N/    resumable checkpoints
+run_dir/config.resolved.yaml   the fully resolved config
+run_dir/init_policy/           HF weights after the warm-up (the RL start and the KL reference)
+run_dir/metrics.jsonl          one JSON record per step
+run_dir/checkpoints/step_N/    resumable checkpoints
 """
 
 from __future__ import annotations

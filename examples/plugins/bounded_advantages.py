@@ -59,8 +59,10 @@ class BoundAdvantages:
 
     def after_step(self, step: int, metrics: dict) -> dict[str, float]:
         """This step's clipped fraction and the running total."""
-        return {"bounded/clipped_frac": self._clipped / max(self._tokens, 1),
-                "bounded/clipped_total": float(self.clipped_total)}
+        return {
+            "bounded/clipped_frac": self._clipped / max(self._tokens, 1),
+            "bounded/clipped_total": float(self.clipped_total),
+        }
 
     def state_dict(self) -> dict:
         """The running count."""
@@ -76,6 +78,11 @@ def build(ctx, knobs: BoundedKnobs) -> MethodParts:
     return MethodParts(step_hooks=[BoundAdvantages(knobs.bound)])
 
 
-SPEC = MethodSpec(name="bounded_advantages", summary="GRPO advantages clipped to [-bound, bound] per token",
-                  provenance="reconstructed", config={"advantage": {"estimator": "grpo"}},
-                  knobs=BoundedKnobs, build=build)
+SPEC = MethodSpec(
+    name="bounded_advantages",
+    summary="GRPO advantages clipped to [-bound, bound] per token",
+    provenance="reconstructed",
+    config={"advantage": {"estimator": "grpo"}},
+    knobs=BoundedKnobs,
+    build=build,
+)

@@ -6,23 +6,23 @@ split into micro-batches or data-parallel shards.
 """
 
 from megarl.advantages.estimators import (
-                                          ADVANTAGE_ESTIMATORS,
-                                          compute_advantages,
-                                          dr_grpo,
-                                          gae,
-                                          grpo,
-                                          reinforce_pp,
-                                          reinforce_pp_baseline,
-                                          rloo,
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    dr_grpo,
+    gae,
+    grpo,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    rloo,
 )
 
 __all__ = [
-                                          "ADVANTAGE_ESTIMATORS",
-                                          "compute_advantages",
-                                          "dr_grpo",
-                                          "gae",
-                                          "grpo",
-                                          "reinforce_pp",
-                                          "reinforce_pp_baseline",
-                                          "rloo",
+    "ADVANTAGE_ESTIMATORS",
+    "compute_advantages",
+    "dr_grpo",
+    "gae",
+    "grpo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "rloo",
 ]

@@ -22,12 +22,16 @@ def scalar_rewards(batch: PackedBatch) -> torch.Tensor:
     if batch.rewards is None:
         raise ValueError("advantage estimation needs the batch field 'rewards'")
     if batch.rewards.dim() != 1:
-        raise ValueError(f"field 'rewards' has shape {tuple(batch.rewards.shape)}: aggregate reward vectors to "
-                         "one scalar per sequence before a scalar advantage estimator")
+        raise ValueError(
+            f"field 'rewards' has shape {tuple(batch.rewards.shape)}: aggregate reward vectors to "
+            "one scalar per sequence before a scalar advantage estimator"
+        )
     return batch.rewards.double()
 
 
-def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo(
+    rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """(R - mean_g R) / (std_g R + eps), std unbiased; [B] -> [B].
 
     A group whose rewards are all equal gets exactly 0 (the float mean may differ from the common
@@ -64,8 +68,14 @@ def _compact(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor):
     return tok, s, col, counts, N
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
-        gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over the masked-in tokens of each sequence (reverse scan, vectorised over sequences).
 
     token_rewards, values, mask: [T] -> (advantages [T], returns [T]), 0 off the mask.
@@ -103,8 +113,9 @@ def _last_token_rewards(batch: PackedBatch, rewards: torch.Tensor) -> torch.Tens
     return out
 
 
-def reinforce_pp(batch: PackedBatch, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
-                 gamma: float = 1.0) -> torch.Tensor:
+def reinforce_pp(
+    batch: PackedBatch, kl: torch.Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0
+) -> torch.Tensor:
     """REINFORCE++: whitened discounted return of (outcome reward at the last token - β·kl); [T]."""
     m = batch.loss_mask.double()
     r = _last_token_rewards(batch, scalar_rewards(batch))
@@ -171,4 +182,3 @@ def compute_advantages(batch: PackedBatch, estimator: str, **knobs) -> torch.Ten
     adv = ADVANTAGE_ESTIMATORS.get(estimator)(batch, **knobs)
     batch.advantages = adv.to(torch.float32)
     return batch.advantages
-

@@ -30,7 +30,11 @@ CURVES: tuple[tuple[str, str], ...] = (
 
 
 def _layer_mean(rec: dict, suffix: str) -> float | None:
-    vals = [v for k, v in rec.items() if k.startswith("router/layer") and k.endswith(suffix) and isinstance(v, float)]
+    vals = [
+        v
+        for k, v in rec.items()
+        if k.startswith("router/layer") and k.endswith(suffix) and isinstance(v, float)
+    ]
     return sum(vals) / len(vals) if vals else None
 
 
@@ -41,8 +45,11 @@ def curve(recs: list[dict], key: str) -> dict[int, float]:
         s = r.get("step", 0)
         if s < 1:
             continue
-        v = _layer_mean(r, "/" + key.split("/", 1)[1]) if key.startswith("router/") and "layer" not in key \
+        v = (
+            _layer_mean(r, "/" + key.split("/", 1)[1])
+            if key.startswith("router/") and "layer" not in key
             else r.get(key)
+        )
         if isinstance(v, (int, float)) and math.isfinite(v):
             out[int(s)] = float(v)
     return out
@@ -72,10 +79,19 @@ def compare_curves(orig: list[dict], proxy: list[dict]) -> list[dict]:
         xa, xb = [a[s] for s in steps], [b[s] for s in steps]
         diffs = [abs(x - y) for x, y in zip(xa, xb)]
         scale = sum(abs(x) for x in xa) / len(xa)
-        rows.append({"key": key, "label": label, "steps": steps, "original": xa, "proxy": xb,
-                     "pearson_r": pearson(xa, xb), "mean_abs_diff": sum(diffs) / len(diffs),
-                     "max_abs_diff": max(diffs),
-                     "relative_divergence": (sum(diffs) / len(diffs)) / scale if scale > 0 else None})
+        rows.append(
+            {
+                "key": key,
+                "label": label,
+                "steps": steps,
+                "original": xa,
+                "proxy": xb,
+                "pearson_r": pearson(xa, xb),
+                "mean_abs_diff": sum(diffs) / len(diffs),
+                "max_abs_diff": max(diffs),
+                "relative_divergence": (sum(diffs) / len(diffs)) / scale if scale > 0 else None,
+            }
+        )
     return rows
 
 
@@ -86,10 +102,19 @@ def events_of(recs: list[dict]) -> list[tuple[int, str]]:
 
 def run_cost(recs: list[dict]) -> dict:
     """Mean step / train time over the training steps of a run."""
-    st = [r["time/step"] for r in recs if r.get("step", 0) >= 1 and isinstance(r.get("time/step"), (int, float))]
-    tr = [r["time/train"] for r in recs if r.get("step", 0) >= 1 and isinstance(r.get("time/train"), (int, float))]
-    return {"steps": len(st), "step_time_mean_s": sum(st) / len(st) if st else None,
-            "train_time_mean_s": sum(tr) / len(tr) if tr else None}
+    st = [
+        r["time/step"] for r in recs if r.get("step", 0) >= 1 and isinstance(r.get("time/step"), (int, float))
+    ]
+    tr = [
+        r["time/train"]
+        for r in recs
+        if r.get("step", 0) >= 1 and isinstance(r.get("time/train"), (int, float))
+    ]
+    return {
+        "steps": len(st),
+        "step_time_mean_s": sum(st) / len(st) if st else None,
+        "train_time_mean_s": sum(tr) / len(tr) if tr else None,
+    }
 
 
 def plot_fidelity(rows: list[dict], out_png: Path) -> Path:
@@ -100,8 +125,9 @@ def plot_fidelity(rows: list[dict], out_png: Path) -> Path:
     import matplotlib.pyplot as plt
 
     n = max(len(rows), 1)
-    fig, axes = plt.subplots(n, 2, figsize=(9, 2.3 * n), squeeze=False,
-                             gridspec_kw={"width_ratios": [2.2, 1]})
+    fig, axes = plt.subplots(
+        n, 2, figsize=(9, 2.3 * n), squeeze=False, gridspec_kw={"width_ratios": [2.2, 1]}
+    )
     for i, row in enumerate(rows):
         ax, sc = axes[i]
         ax.plot(row["steps"], row["original"], marker="o", ms=3, label="original", color="#1f77b4")
@@ -119,8 +145,10 @@ def plot_fidelity(rows: list[dict], out_png: Path) -> Path:
         sc.plot([lo, hi], [lo, hi], color="#999999", lw=0.8)
         r = row["pearson_r"]
         rd = row["relative_divergence"]
-        sc.set_title(f"r={'n/a' if r is None else f'{r:.3f}'}  rel.div={'n/a' if rd is None else f'{rd:.3f}'}",
-                     fontsize=8)
+        sc.set_title(
+            f"r={'n/a' if r is None else f'{r:.3f}'}  rel.div={'n/a' if rd is None else f'{rd:.3f}'}",
+            fontsize=8,
+        )
         sc.tick_params(labelsize=7)
         if i == n - 1:
             sc.set_xlabel("original", fontsize=8)
@@ -135,8 +163,12 @@ def _fmt(x) -> str:
     return "n/a" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x))
 
 
-def write_report(orig_dir: str | os.PathLike, proxy_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                 extra: dict | None = None) -> dict:
+def write_report(
+    orig_dir: str | os.PathLike,
+    proxy_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    extra: dict | None = None,
+) -> dict:
     """Write ``out_dir/fidelity.md``, ``fidelity.png`` and ``fidelity.json``; returns the report.
     ``extra``: run facts to include (models, wall time, peak memory: see megarl.proxy.compare)."""
     out = Path(out_dir)
@@ -146,35 +178,69 @@ def write_report(orig_dir: str | os.PathLike, proxy_dir: str | os.PathLike, out_
         raise ValueError(f"no training steps in {orig_dir}/metrics.jsonl or {proxy_dir}/metrics.jsonl")
     rows = compare_curves(ro, rp)
     eo, ep = events_of(ro), events_of(rp)
-    rep = {"curves": [{k: v for k, v in r.items() if k not in ("original", "proxy")} for r in rows],
-           "series": {r["key"]: {"steps": r["steps"], "original": r["original"], "proxy": r["proxy"]} for r in rows},
-           "events": {"original": eo, "proxy": ep, "same": eo == ep,
-                      "same_types_per_step": _types_by_step(eo) == _types_by_step(ep)},
-           "cost": {"original": run_cost(ro), "proxy": run_cost(rp)}, "runs": extra or {}}
+    rep = {
+        "curves": [{k: v for k, v in r.items() if k not in ("original", "proxy")} for r in rows],
+        "series": {
+            r["key"]: {"steps": r["steps"], "original": r["original"], "proxy": r["proxy"]} for r in rows
+        },
+        "events": {
+            "original": eo,
+            "proxy": ep,
+            "same": eo == ep,
+            "same_types_per_step": _types_by_step(eo) == _types_by_step(ep),
+        },
+        "cost": {"original": run_cost(ro), "proxy": run_cost(rp)},
+        "runs": extra or {},
+    }
     png = plot_fidelity(rows, out / "fidelity.png")
     lines = ["# Proxy fidelity report", ""]
     runs = extra or {}
     if runs:
         lines += ["| | original | proxy |", "|---|---|---|"]
         for k in sorted({k for v in runs.values() if isinstance(v, dict) for k in v}):
-            lines.append(f"| {k} | {_fmt(runs.get('original', {}).get(k))} | {_fmt(runs.get('proxy', {}).get(k))} |")
+            lines.append(
+                f"| {k} | {_fmt(runs.get('original', {}).get(k))} | {_fmt(runs.get('proxy', {}).get(k))} |"
+            )
         lines.append("")
-    lines += ["## Training curves", "",
-              "| curve | steps | Pearson r | mean abs diff | max abs diff | relative divergence |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "## Training curves",
+        "",
+        "| curve | steps | Pearson r | mean abs diff | max abs diff | relative divergence |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['label']} | {len(r['steps'])} | {_fmt(r['pearson_r'])} | {_fmt(r['mean_abs_diff'])} | "
-                     f"{_fmt(r['max_abs_diff'])} | {_fmt(r['relative_divergence'])} |")
-    lines += ["", ("relative divergence = mean |proxy - original| / mean |original|; r = n/a for fewer than 3 "
-                   "finite points or a constant curve."), "", f"![fidelity]({png.name})", "", "## Fault events", "",
-              "| step | original | proxy |", "|---|---|---|"]
+        lines.append(
+            f"| {r['label']} | {len(r['steps'])} | {_fmt(r['pearson_r'])} | {_fmt(r['mean_abs_diff'])} | "
+            f"{_fmt(r['max_abs_diff'])} | {_fmt(r['relative_divergence'])} |"
+        )
+    lines += [
+        "",
+        (
+            "relative divergence = mean |proxy - original| / mean |original|; r = n/a for fewer than 3 "
+            "finite points or a constant curve."
+        ),
+        "",
+        f"![fidelity]({png.name})",
+        "",
+        "## Fault events",
+        "",
+        "| step | original | proxy |",
+        "|---|---|---|",
+    ]
     bo, bp = _types_by_step(eo), _types_by_step(ep)
     for s in sorted(set(bo) | set(bp)):
         lines.append(f"| {s} | {', '.join(bo.get(s, [])) or '-'} | {', '.join(bp.get(s, [])) or '-'} |")
     if not bo and not bp:
         lines.append("| - | none | none |")
-    lines += ["", f"Same event types at the same steps: **{'yes' if rep['events']['same_types_per_step'] else 'no'}**",
-              "", "## Cost per step", "", "| | original | proxy |", "|---|---|---|"]
+    lines += [
+        "",
+        f"Same event types at the same steps: **{'yes' if rep['events']['same_types_per_step'] else 'no'}**",
+        "",
+        "## Cost per step",
+        "",
+        "| | original | proxy |",
+        "|---|---|---|",
+    ]
     for k in ("step_time_mean_s", "train_time_mean_s"):
         lines.append(f"| {k} | {_fmt(rep['cost']['original'][k])} | {_fmt(rep['cost']['proxy'][k])} |")
     (out / "fidelity.md").write_text("\n".join(lines) + "\n")

@@ -57,18 +57,32 @@ class FaultMonitor:
     run; the detector baselines and counters are rebuilt from them.
     """
 
-    def __init__(self, cfg: FaultsConfig, learner, groups, run_dir: str | Path, hf_config: dict,
-                 run_config: dict, history: list[dict] | None = None):
+    def __init__(
+        self,
+        cfg: FaultsConfig,
+        learner,
+        groups,
+        run_dir: str | Path,
+        hf_config: dict,
+        run_config: dict,
+        history: list[dict] | None = None,
+    ):
         self.cfg, self.learner, self.groups = cfg, learner, groups
         self.run_dir, self.hf_config, self.run_config = Path(run_dir), dict(hf_config), run_config
         spec = learner.spec
         self.spec = spec
         self.suite = DetectorSuite(cfg.detectors) if cfg.detect else None
-        self.guard = NonFiniteGuard(learner).install() if cfg.detect and cfg.detectors.skip_nonfinite else None
-        self.injector = Injector(learner.model, cfg.inject, device_type=groups.device.type,
-                                 vocab_size=spec.vocab_size)
-        self.router = RouterLoadCounter(learner.model, spec.moe_layers, spec.num_experts) \
-            if cfg.detect and spec.is_moe else None
+        self.guard = (
+            NonFiniteGuard(learner).install() if cfg.detect and cfg.detectors.skip_nonfinite else None
+        )
+        self.injector = Injector(
+            learner.model, cfg.inject, device_type=groups.device.type, vocab_size=spec.vocab_size
+        )
+        self.router = (
+            RouterLoadCounter(learner.model, spec.moe_layers, spec.num_experts)
+            if cfg.detect and spec.is_moe
+            else None
+        )
         self.dump_dir = Path(cfg.dump_dir) if cfg.dump_dir else self.run_dir / "dumps"
         self.totals: dict[str, int] = {}
         self._reset_step(None)
@@ -86,8 +100,10 @@ class FaultMonitor:
     def _replay_history(self, rec: dict) -> None:
         """Feed one earlier record to the baselines and counters (resume)."""
         if self.suite is not None and rec.get("step", 0) > 0:
-            self.suite.check(int(rec["step"]), {k: (float("nan") if v is None and k.startswith("train/") else v)
-                                                for k, v in rec.items()})
+            self.suite.check(
+                int(rec["step"]),
+                {k: (float("nan") if v is None and k.startswith("train/") else v) for k, v in rec.items()},
+            )
         for k, v in rec.items():
             if k.startswith("faults/") and k.endswith("_total") and isinstance(v, int):
                 self.totals[k[7:-6]] = v
@@ -114,14 +130,19 @@ class FaultMonitor:
                 dist.barrier()
             save_checkpoint(self.learner, learner_dir)
         obj_state = copy.deepcopy(objective.state_dict()) if hasattr(objective, "state_dict") else {}
-        return {"weights": weights, "learner_dir": learner_dir, "objective_state": obj_state,
-                "learner_step": int(self.learner.step),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                "detectors": copy.deepcopy(self.suite.state_dict()) if self.suite else None}
+        return {
+            "weights": weights,
+            "learner_dir": learner_dir,
+            "objective_state": obj_state,
+            "learner_step": int(self.learner.step),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "detectors": copy.deepcopy(self.suite.state_dict()) if self.suite else None,
+        }
 
     # ------------------------------------------------------------------------------ hooks
-    def before_train(self, step: int, batch: PackedBatch, objective, num_micro_batches: int,
-                     normalisers: GlobalNormalisers) -> PackedBatch:
+    def before_train(
+        self, step: int, batch: PackedBatch, objective, num_micro_batches: int, normalisers: GlobalNormalisers
+    ) -> PackedBatch:
         """Before one ``learner.train_step`` of trainer step ``step``: snapshot (first call of a step
         that may be dumped), poison the batch, arm the step's injections, count router load."""
         if self.step != step:
@@ -176,12 +197,16 @@ class FaultMonitor:
         if events:
             out["events"] = events
             if _rank0():
-                print(f"megarl train: step {step} fault events: " + ", ".join(_short(e) for e in events), flush=True)
+                print(
+                    f"megarl train: step {step} fault events: " + ", ".join(_short(e) for e in events),
+                    flush=True,
+                )
         for k, v in self.totals.items():
             out[f"faults/{k}_total"] = v
         if self.guard is not None:
-            out["faults/skipped_optimizer_steps"] = sum(1 for m in self.opt_metrics
-                                                        if m.get("update_successful", 1.0) < 1.0)
+            out["faults/skipped_optimizer_steps"] = sum(
+                1 for m in self.opt_metrics if m.get("update_successful", 1.0) < 1.0
+            )
         why = [e["type"] for e in events if e["type"] in self.cfg.dump_on]
         if step in self.cfg.dump_steps:
             why.append("dump_steps")
@@ -203,24 +228,48 @@ class FaultMonitor:
         t0 = time.time()
         snap = self.snapshot
         prev = self.run_dir / "checkpoints" / f"step_{step - 1:06d}"
-        recorded = {k: v for k, v in {**rec, **out}.items()
-                    if any(k.startswith(p) for p in RECORDED_PREFIXES) or k.startswith("router/")}
+        recorded = {
+            k: v
+            for k, v in {**rec, **out}.items()
+            if any(k.startswith(p) for p in RECORDED_PREFIXES) or k.startswith("router/")
+        }
         meta = {
-            "format": "megarl-step-dump/1", "step": step, "why": why, "events": events,
-            "model": model_shape(self.hf_config), "layout": layout_dict(self.groups),
-            "run_config": self.run_config, "injections": describe(self.injected),
-            "optimizer_steps": [{k: m.get(k) for k in ("loss", "grad_norm", "update_successful", "lr")}
-                                for m in self.opt_metrics],
-            "recorded": recorded, "torch_threads": torch.get_num_threads(),
+            "format": "megarl-step-dump/1",
+            "step": step,
+            "why": why,
+            "events": events,
+            "model": model_shape(self.hf_config),
+            "layout": layout_dict(self.groups),
+            "run_config": self.run_config,
+            "injections": describe(self.injected),
+            "optimizer_steps": [
+                {k: m.get(k) for k in ("loss", "grad_norm", "update_successful", "lr")}
+                for m in self.opt_metrics
+            ],
+            "recorded": recorded,
+            "torch_threads": torch.get_num_threads(),
             "checkpoint_before": str(prev) if prev.is_dir() else None,
             "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        state = {"objective_state": snap["objective_state"], "learner_step": snap["learner_step"],
-                 "rng": snap["rng"], "detectors": snap["detectors"]}
-        path = write_dump(self.dump_dir / f"step_{step:06d}", _json_safe(meta), self.batches, state,
-                          snap["weights"], self.hf_config, learner_dir=snap["learner_dir"])
-        print(f"megarl train: step {step} dumped to {path} ({', '.join(why)}; {time.time() - t0:.1f}s)",
-              flush=True)
+        state = {
+            "objective_state": snap["objective_state"],
+            "learner_step": snap["learner_step"],
+            "rng": snap["rng"],
+            "detectors": snap["detectors"],
+        }
+        path = write_dump(
+            self.dump_dir / f"step_{step:06d}",
+            _json_safe(meta),
+            self.batches,
+            state,
+            snap["weights"],
+            self.hf_config,
+            learner_dir=snap["learner_dir"],
+        )
+        print(
+            f"megarl train: step {step} dumped to {path} ({', '.join(why)}; {time.time() - t0:.1f}s)",
+            flush=True,
+        )
         return path
 
     def close(self) -> None:
@@ -240,8 +289,11 @@ def _optimizer_has_state(learner) -> bool:
 
 def _short(e: dict) -> str:
     """``type(key=value, ...)`` of an event, for the log line."""
-    d = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["detail"].items()
-                  if k not in ("load",))
+    d = ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in e["detail"].items()
+        if k not in ("load",)
+    )
     return f"{e['type']}({d})"
 
 

@@ -16,18 +16,28 @@ import torch
 from megarl.learner.optim_config import OptimConfig
 
 
-def build_learner(hf_config: dict, groups: Any, optim: OptimConfig, params_dtype: str = "float32", seed: int = 1234,
-                  trainable: bool = True, lr: float | None = None):
+def build_learner(
+    hf_config: dict,
+    groups: Any,
+    optim: OptimConfig,
+    params_dtype: str = "float32",
+    seed: int = 1234,
+    trainable: bool = True,
+    lr: float | None = None,
+):
     """A ``Learner`` for ``hf_config`` under ``groups``. ``lr`` overrides the optimizer's LR with a
     constant one (a supervised warm-up); ``trainable=False``: forward-only, no optimizer state."""
     from megarl.learner.learner import Learner, LearnerConfig
 
     if lr is not None:
-        optim = dataclasses.replace(optim, lr=lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=0,
-                                    lr_decay_style="constant")
+        optim = dataclasses.replace(
+            optim, lr=lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=0, lr_decay_style="constant"
+        )
     dtype = torch.bfloat16 if params_dtype == "bfloat16" else torch.float32
-    return Learner(LearnerConfig(hf_config=hf_config, optim=optim, params_dtype=dtype, seed=seed,
-                                 trainable=trainable), groups)
+    return Learner(
+        LearnerConfig(hf_config=hf_config, optim=optim, params_dtype=dtype, seed=seed, trainable=trainable),
+        groups,
+    )
 
 
 def export_state(learner) -> dict[str, torch.Tensor]:

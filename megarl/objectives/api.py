@@ -39,18 +39,23 @@ class GlobalNormalisers:
     max_response_len: float = 0.0
 
     @staticmethod
-    def from_batch(batch: PackedBatch, dp_group: Any = None,
-                   max_response_len: float = 0.0) -> GlobalNormalisers:
+    def from_batch(
+        batch: PackedBatch, dp_group: Any = None, max_response_len: float = 0.0
+    ) -> GlobalNormalisers:
         """Count over this rank's whole (pre-split) batch, summed over ``dp_group`` when given."""
         ntok = segment_sum(batch.loss_mask.double(), batch.cu_seqlens)
-        stats = torch.tensor([float(ntok.sum()), float((ntok > 0).sum()), float(ntok.max())],
-                             dtype=torch.float64)
+        stats = torch.tensor(
+            [float(ntok.sum()), float((ntok > 0).sum()), float(ntok.max())], dtype=torch.float64
+        )
         counts, longest = stats[:2].clone(), stats[2:].clone()
         comm.all_reduce(counts, "sum", dp_group)
         comm.all_reduce(longest, "max", dp_group)
         stats = torch.cat([counts, longest])
-        return GlobalNormalisers(num_tokens=float(stats[0]), num_seqs=float(stats[1]),
-                                 max_response_len=float(max_response_len or stats[2]))
+        return GlobalNormalisers(
+            num_tokens=float(stats[0]),
+            num_seqs=float(stats[1]),
+            max_response_len=float(max_response_len or stats[2]),
+        )
 
 
 @dataclass

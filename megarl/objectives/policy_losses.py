@@ -60,7 +60,8 @@ def dppo_kl(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28,
     p, p_old = torch.exp(logp), torch.exp(old_logp)
     tiny = torch.finfo(logp.dtype).tiny
     kl_b = p_old * (old_logp - logp) + (1 - p_old) * (
-        torch.log((1 - p_old).clamp(min=tiny)) - torch.log((1 - p).clamp(min=tiny)))
+        torch.log((1 - p_old).clamp(min=tiny)) - torch.log((1 - p).clamp(min=tiny))
+    )
     return _dppo(logp, old_logp, adv, (kl_b <= clip_high) | (p <= p_old), (kl_b <= clip_low) | (p >= p_old))
 
 

@@ -46,27 +46,35 @@ class ObjectiveConfig:
     distill_coef: float = 0.0
     # extra keyword knobs of the chosen policy loss (method families register losses that need more)
     policy_loss_args: dict = field(default_factory=dict)
-    # extra loss terms: [{"name": <REGULARISERS key>, "coef": float, <knobs>...}], each aggregated like the rest
+    # extra loss terms: [{"name": <REGULARISERS key>, "coef": float, <knobs>...}],
+    # each aggregated like the rest
     regularisers: list = field(default_factory=list)
 
     def validate(self) -> ObjectiveConfig:
         """Fail early with the offending key and the allowed values."""
-        for key, reg in (("policy_loss", POLICY_LOSSES), ("kl_estimator", KL_ESTIMATORS),
-                         ("correction", CORRECTIONS), ("distill", DISTILLATION)):
+        for key, reg in (
+            ("policy_loss", POLICY_LOSSES),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("correction", CORRECTIONS),
+            ("distill", DISTILLATION),
+        ):
             if getattr(self, key) not in reg:
                 raise ValueError(f"objective.{key}={getattr(self, key)!r}; allowed: {', '.join(reg.names())}")
         for key in ("clip_low", "clip_high"):
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ValueError(f"objective.{key}={v!r} must be a number or null (the loss's own default)")
-        for key in ("kl_coef", "entropy_coef", "correction_low", "correction_high",
-                    "distill_coef"):
+        for key in ("kl_coef", "entropy_coef", "correction_low", "correction_high", "distill_coef"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"objective.{key}={v!r} must be a number (YAML reads 1.0e9 as a string: "
-                                 "write 1.0e+9)")
-        if self.dual_clip is not None and (isinstance(self.dual_clip, bool)
-                                           or not isinstance(self.dual_clip, (int, float)) or self.dual_clip <= 1):
+                raise ValueError(
+                    f"objective.{key}={v!r} must be a number (YAML reads 1.0e9 as a string: write 1.0e+9)"
+                )
+        if self.dual_clip is not None and (
+            isinstance(self.dual_clip, bool)
+            or not isinstance(self.dual_clip, (int, float))
+            or self.dual_clip <= 1
+        ):
             raise ValueError(f"objective.dual_clip={self.dual_clip!r} must be a number > 1 or null")
         if self.aggregation not in MODES:
             raise ValueError(f"objective.aggregation={self.aggregation!r}; allowed: {', '.join(MODES)}")
@@ -74,11 +82,15 @@ class ObjectiveConfig:
             raise ValueError(f"objective.policy_loss_args must be a mapping, got {self.policy_loss_args!r}")
         for i, reg in enumerate(self.regularisers):
             if not isinstance(reg, dict) or "name" not in reg or "coef" not in reg:
-                raise ValueError(f"objective.regularisers[{i}] must be a mapping with 'name' and 'coef', got {reg!r}")
+                raise ValueError(
+                    f"objective.regularisers[{i}] must be a mapping with 'name' and 'coef', got {reg!r}"
+                )
             if reg["name"] not in REGULARISERS:
                 # the families register their parts when the catalogue loads them
-                raise ValueError(f"objective.regularisers[{i}].name={reg['name']!r}; allowed: "
-                                 f"{', '.join(REGULARISERS.names()) or 'none registered'}")
+                raise ValueError(
+                    f"objective.regularisers[{i}].name={reg['name']!r}; allowed: "
+                    f"{', '.join(REGULARISERS.names()) or 'none registered'}"
+                )
         return self
 
 
@@ -119,15 +131,18 @@ class RLObjective:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; a missing or unexpected part is an error naming it."""
         if set(state) != set(self.state):
-            raise ValueError(f"objective state has parts {sorted(state)}, this objective {sorted(self.state)}")
+            raise ValueError(
+                f"objective state has parts {sorted(state)}, this objective {sorted(self.state)}"
+            )
         for k, v in state.items():
             self.state[k].load_state_dict(v)
 
     def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput:
         cfg, norm = self.cfg, ctx.normalisers
         want_entropy = True  # entropy is a metric in every run; it costs one extra row in the reduction
-        logp, ent = vocab_parallel_logprobs_entropy(logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens,
-                                                    with_entropy=want_entropy)
+        logp, ent = vocab_parallel_logprobs_entropy(
+            logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens, with_entropy=want_entropy
+        )
         mask, cu = batch.loss_mask.to(logp.dtype), batch.cu_seqlens
         old = _first_present(batch.old_logprobs, batch.rollout_logprobs)
         old = logp.detach() if old is None else old.to(logp.dtype)
@@ -151,9 +166,14 @@ class RLObjective:
         if cfg.correction != "none":
             if batch.rollout_logprobs is None or batch.old_logprobs is None:
                 raise ValueError(f"correction={cfg.correction!r} needs 'old_logprobs' and 'rollout_logprobs'")
-            c = CORRECTIONS.get(cfg.correction)(batch.old_logprobs.to(logp.dtype),
-                                               batch.rollout_logprobs.to(logp.dtype), mask, cu,
-                                               cfg.correction_low, cfg.correction_high)
+            c = CORRECTIONS.get(cfg.correction)(
+                batch.old_logprobs.to(logp.dtype),
+                batch.rollout_logprobs.to(logp.dtype),
+                mask,
+                cu,
+                cfg.correction_low,
+                cfg.correction_high,
+            )
             pg = pg * c
             metrics["correction_zeroed_frac"] = _token_mean((c == 0).to(logp.dtype), mask, norm)
         pg_loss = agg(pg)
@@ -204,8 +224,13 @@ def resolved_clip(cfg: ObjectiveConfig) -> dict[str, Any]:
     return out
 
 
-def _policy_extra(cfg: ObjectiveConfig, clip: dict[str, Any], batch: PackedBatch, ctx: LossContext,
-                  ent: torch.Tensor | None = None) -> dict[str, Any]:
+def _policy_extra(
+    cfg: ObjectiveConfig,
+    clip: dict[str, Any],
+    batch: PackedBatch,
+    ctx: LossContext,
+    ent: torch.Tensor | None = None,
+) -> dict[str, Any]:
     """Keyword arguments of the policy loss: the resolved clip range, the configured knobs, and
     what its ``PartInfo`` declares (``batch=``/``ctx=`` with ``needs_context``, the current
     policy's full-vocab entropy as ``entropy=`` with ``needs_entropy``)."""

@@ -55,12 +55,16 @@ def teacher_hf_config(cfg: Any, policy_hf: dict) -> dict:
     from megarl.learner.model import load_hf_config
 
     if not cfg.teacher.hf_dir:
-        raise ValueError(f"objective.distill={cfg.objective.distill!r} needs teacher.hf_dir (the teacher's HF "
-                         "checkpoint, sharing the policy's vocabulary)")
+        raise ValueError(
+            f"objective.distill={cfg.objective.distill!r} needs teacher.hf_dir (the teacher's HF "
+            "checkpoint, sharing the policy's vocabulary)"
+        )
     hf = dict(load_hf_config(cfg.teacher.hf_dir))
     if int(hf.get("vocab_size", -1)) != int(policy_hf["vocab_size"]):
-        raise ValueError(f"teacher.hf_dir={cfg.teacher.hf_dir}: vocab_size {hf.get('vocab_size')} differs from the "
-                         f"policy's {policy_hf['vocab_size']} (distillation compares logprobs of the same tokens)")
+        raise ValueError(
+            f"teacher.hf_dir={cfg.teacher.hf_dir}: vocab_size {hf.get('vocab_size')} differs from the "
+            f"policy's {policy_hf['vocab_size']} (distillation compares logprobs of the same tokens)"
+        )
     for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if k in policy_hf:
             hf[k] = policy_hf[k]
@@ -83,15 +87,35 @@ class RewardDims:
         """In place."""
         names = list(info.reward_dims)
         batch.reward_names = names
-        batch.rewards = torch.stack([torch.as_tensor(info.reward_dims[n], dtype=torch.float32) for n in names], 1)
+        batch.rewards = torch.stack(
+            [torch.as_tensor(info.reward_dims[n], dtype=torch.float32) for n in names], 1
+        )
         return {}
 
 
-register_provider(InputProvider(("old_logprobs", "entropies"), "learner", lambda ctx, names: PolicyPass(ctx.policy, names),
-                                summary="the policy's logprobs and full-vocab entropy before the update"))
-register_provider(InputProvider(("ref_logprobs",), "learner", _reference,
-                                summary="a frozen reference learner holding the initial policy"))
-register_provider(InputProvider(("teacher_logprobs",), "learner", _teacher,
-                                summary="a forward-only teacher learner (teacher.hf_dir)"))
-register_provider(InputProvider(("reward_dims",), "batch", lambda ctx, names: RewardDims(),
-                                summary="rewards [B, K] with reward_names"))
+register_provider(
+    InputProvider(
+        ("old_logprobs", "entropies"),
+        "learner",
+        lambda ctx, names: PolicyPass(ctx.policy, names),
+        summary="the policy's logprobs and full-vocab entropy before the update",
+    )
+)
+register_provider(
+    InputProvider(
+        ("ref_logprobs",),
+        "learner",
+        _reference,
+        summary="a frozen reference learner holding the initial policy",
+    )
+)
+register_provider(
+    InputProvider(
+        ("teacher_logprobs",), "learner", _teacher, summary="a forward-only teacher learner (teacher.hf_dir)"
+    )
+)
+register_provider(
+    InputProvider(
+        ("reward_dims",), "batch", lambda ctx, names: RewardDims(), summary="rewards [B, K] with reward_names"
+    )
+)

@@ -77,5 +77,6 @@ def provider_for(name: str, needed_by: str = "") -> InputProvider:
         return INPUT_PROVIDERS[name]
     except KeyError:
         who = f" (needed by {needed_by})" if needed_by else ""
-        raise ValueError(f"no provider for batch input {name!r}{who}; known inputs: "
-                         f"{', '.join(sorted(INPUT_PROVIDERS))}") from None
+        raise ValueError(
+            f"no provider for batch input {name!r}{who}; known inputs: {', '.join(sorted(INPUT_PROVIDERS))}"
+        ) from None

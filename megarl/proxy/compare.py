@@ -53,10 +53,25 @@ def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: 
     if steps < 1:
         raise CompareError(f"--steps {steps}: must be >= 1")
     # the recipe is checked by the command that will run it (`megarl train --check`)
-    check = subprocess.run([sys.executable, "-m", "megarl.cli", "train", config, f"model.hf_dir={original}",
-                            f"schedule.steps={steps}", *overrides, "--check"], capture_output=True, text=True)
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "train",
+            config,
+            f"model.hf_dir={original}",
+            f"schedule.steps={steps}",
+            *overrides,
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if check.returncode != 0:
-        msg = check.stderr.strip().splitlines()[-1] if check.stderr.strip() else f"exit code {check.returncode}"
+        msg = (
+            check.stderr.strip().splitlines()[-1] if check.stderr.strip() else f"exit code {check.returncode}"
+        )
         raise CompareError(f"--config {config}: {msg.removeprefix('megarl train: config error: ')}")
     shapes = {}
     for name, d in (("original", original), ("proxy", proxy)):

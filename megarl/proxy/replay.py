@@ -90,16 +90,16 @@ def replay_dump(
     run's engine-vs-learner difference is kept, e.g. an engine precision fault); 'auto' recomputes
     when the expert count differs from the dump's.
     """
+    from megarl.catalogue import load_builtin
     from megarl.faults.config import DetectorConfig
     from megarl.faults.detectors import DetectorSuite, router_load_stats
     from megarl.faults.guard import NonFiniteGuard
     from megarl.faults.injection import Injector, injection_from_dict
     from megarl.faults.router_stats import RouterLoadCounter
-    from megarl.learner.parallel import ParallelLayout, initialize_parallel
-    from megarl.objectives.rl_objective import build_objective
-    from megarl.catalogue import load_builtin
     from megarl.learner.factory import build_learner
     from megarl.learner.optim_config import OptimConfig
+    from megarl.learner.parallel import ParallelLayout, initialize_parallel
+    from megarl.objectives.rl_objective import build_objective
 
     meta, batches, state, model, hf, notes = check_dump_and_model(dump_dir, model_dir)
     if old_logprobs not in ("auto", "dump", "recompute"):
@@ -136,8 +136,9 @@ def replay_dump(
                 if groups.dp_size == len(b["dp_shares"])
                 else concat_batches(b["dp_shares"])
             )
-    learner = build_learner(hf, groups, OptimConfig(**run_cfg["optimizer"]), model_cfg["params_dtype"],
-                            model_cfg["seed"])
+    learner = build_learner(
+        hf, groups, OptimConfig(**run_cfg["optimizer"]), model_cfg["params_dtype"], model_cfg["seed"]
+    )
     full = full_state_dir(dump_dir, meta) if model_dir is None else None
     if full is not None:
         from megarl.learner.checkpoint import load_checkpoint

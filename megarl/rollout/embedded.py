@@ -290,6 +290,8 @@ def hf_model_from_config(hf_config: dict) -> torch.nn.Module:
     syncs its own into it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    kw = {
+        k: v for k, v in hf_config.items() if k not in ("model_type", "architectures", "transformers_version")
+    }
     config = AutoConfig.for_model(hf_config["model_type"], **kw)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -60,8 +60,9 @@ class WorkflowContext:
 class RolloutWorkflow(Protocol):
     """``await run(engine, prompt, answer, prompt_ids, n, sampling)`` -> ``n`` trajectories."""
 
-    async def run(self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int,
-                  sampling: SamplingParams) -> list[Trajectory]: ...
+    async def run(
+        self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Trajectory]: ...
 
 
 WORKFLOWS: Registry[Callable[[WorkflowContext], RolloutWorkflow]] = Registry("rollout workflow")
@@ -81,21 +82,37 @@ class SingleTurn:
     def __init__(self, ctx: WorkflowContext):
         self.ctx = ctx
 
-    async def run(self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int,
-                  sampling: SamplingParams) -> list[Trajectory]:
+    async def run(
+        self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Trajectory]:
         """``n`` single-turn samples of ``prompt_ids``."""
         res = await engine.generate(prompt_ids, n=n, sampling=sampling)
-        return [Trajectory(list(s.token_ids), list(s.logprobs), s.finish_reason, s.finish_reason == "length",
-                           version=version_of(s.weight_version), mixed=bool(s.meta.get("mixed", False)))
-                for s in res.samples]
+        return [
+            Trajectory(
+                list(s.token_ids),
+                list(s.logprobs),
+                s.finish_reason,
+                s.finish_reason == "length",
+                version=version_of(s.weight_version),
+                mixed=bool(s.meta.get("mixed", False)),
+            )
+            for s in res.samples
+        ]
 
 
 class RetryTask:
     """One prompt as a multi-turn environment over token ids (see the module docstring).
     ``score(text) -> float``: the scalar reward of one answer; ``best``: the reward of a correct one."""
 
-    def __init__(self, tokenizer: Any, prompt: str, score: Callable[[str], float], best: float,
-                 max_turns: int = 2, feedback: str = " {prompt}"):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt: str,
+        score: Callable[[str], float],
+        best: float,
+        max_turns: int = 2,
+        feedback: str = " {prompt}",
+    ):
         self.tok, self.prompt, self.score, self.best = tokenizer, prompt, score, best
         self.max_turns, self.feedback = max_turns, feedback
         self.turn = 0
@@ -122,11 +139,17 @@ def episode_trajectory(ep: Episode, env: RetryTask) -> Trajectory:
     """An ``Episode`` (from ``run_episode``) as a trajectory (everything after the prompt)."""
     P = ep.prompt_len
     versions = [v for v in (version_of(w) for w in ep.weight_versions) if v is not None]
-    return Trajectory(token_ids=ep.tokens[P:], logprobs=[min(x, 0.0) for x in ep.logprobs[P:]],
-                      finish_reason=ep.finish_reasons[-1] if ep.finish_reasons else "stop",
-                      truncated=ep.truncated, text=env.last_text, loss_mask=ep.loss_mask[P:],
-                      turn_spans=list(ep.turn_spans), version=min(versions) if versions else None,
-                      mixed=len(set(versions)) > 1)
+    return Trajectory(
+        token_ids=ep.tokens[P:],
+        logprobs=[min(x, 0.0) for x in ep.logprobs[P:]],
+        finish_reason=ep.finish_reasons[-1] if ep.finish_reasons else "stop",
+        truncated=ep.truncated,
+        text=env.last_text,
+        loss_mask=ep.loss_mask[P:],
+        turn_spans=list(ep.turn_spans),
+        version=min(versions) if versions else None,
+        mixed=len(set(versions)) > 1,
+    )
 
 
 class RetryWorkflow:
@@ -136,15 +159,17 @@ class RetryWorkflow:
     def __init__(self, ctx: WorkflowContext):
         self.ctx = ctx
 
-    async def run(self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int,
-                  sampling: SamplingParams) -> list[Trajectory]:
+    async def run(
+        self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Trajectory]:
         """``n`` episodes of ``prompt``."""
         c, env_cfg = self.ctx, self.ctx.env
 
         async def one(j: int) -> Trajectory:
-            env = RetryTask(c.tokenizer, prompt, lambda t: c.score(t, answer), c.best, env_cfg.max_turns,
-                            env_cfg.feedback)
-            sp = dataclasses.replace(sampling, seed=(sampling.seed * 31 + j) % (2 ** 31))
+            env = RetryTask(
+                c.tokenizer, prompt, lambda t: c.score(t, answer), c.best, env_cfg.max_turns, env_cfg.feedback
+            )
+            sp = dataclasses.replace(sampling, seed=(sampling.seed * 31 + j) % (2**31))
             ep = await run_episode(engine, env, sp, max_turns=env_cfg.max_turns, max_len=c.max_len)
             return episode_trajectory(ep, env)
 

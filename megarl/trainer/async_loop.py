@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -64,16 +63,30 @@ class AsyncRollouts:
         """Rank 0: the producer, with the checkpoint's queue restored when resuming."""
         run = self.run
         restored, counters, first = [], {}, step
-        ckpt = checkpointing.checkpoint_root(run.run_dir) / f"step_{step - 1:06d}" / checkpointing.TRAINER_STATE
+        ckpt = (
+            checkpointing.checkpoint_root(run.run_dir) / f"step_{step - 1:06d}" / checkpointing.TRAINER_STATE
+        )
         if step > 1 and run.cfg.checkpoint.resume == "auto" and ckpt.is_file():
             saved = json.loads(ckpt.read_text()).get("async")
             if saved:
                 restored = [batch_from_json(b) for b in saved["queued"]]
                 first, counters = int(saved["next_step"]), dict(saved["counters"])
-                log(f"megarl train: async state restored: {len(restored)} queued batch(es), producer at step {first}")
+                log(
+                    f"megarl train: async state restored: {len(restored)} queued batch(es), "
+                    f"producer at step {first}"
+                )
         a = run.cfg.async_loop
-        return RolloutProducer(run.engine, run.sampler, a.max_staleness, a.partial_rollout, run.cfg.schedule.steps,
-                               first_step=first, version=step - 1, restored=restored, counters=counters)
+        return RolloutProducer(
+            run.engine,
+            run.sampler,
+            a.max_staleness,
+            a.partial_rollout,
+            run.cfg.schedule.steps,
+            first_step=first,
+            version=step - 1,
+            restored=restored,
+            counters=counters,
+        )
 
     def start(self) -> None:
         """Start producing (rank 0, at the first step: after the initial weight sync and evaluation)."""
@@ -108,15 +121,19 @@ class AsyncRollouts:
             hist[str(v)] = hist.get(str(v), 0) + 1
         mixed = sum(s.mixed for g in groups for s in g.samples)
         stats["async"] = {
-            "async/train_version": train_version, "async/versions": hist,
+            "async/train_version": train_version,
+            "async/versions": hist,
             "async/version_min": min(ro.versions) if ro.versions else None,
             "async/staleness_max": max(stale) if stale else 0,
             "async/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
             "async/stale_sample_frac": sum(x > 0 for x in stale) / len(stale) if stale else 0.0,
-            "async/mixed_version_samples": mixed, "async/dropped_stale_groups": dropped,
-            "async/regenerated_groups": regenerated, "async/queue_depth": p.batches.qsize(),
+            "async/mixed_version_samples": mixed,
+            "async/dropped_stale_groups": dropped,
+            "async/regenerated_groups": regenerated,
+            "async/queue_depth": p.batches.qsize(),
             "time/rollout_wait": wait,
-            **{f"async/{k}_total": v for k, v in p.counters.items()}}
+            **{f"async/{k}_total": v for k, v in p.counters.items()},
+        }
         return ro, stats
 
     def update_weights(self, version: int) -> None:

@@ -2,7 +2,7 @@
 
 Layout::
 
-    run_dir/checkpoints/step_000010/learner/       megatron dist_checkpointing (model, optimizer, scheduler, RNG)
+    run_dir/checkpoints/step_000010/learner/       megatron dist_checkpointing (model, optimizer, ...)
     run_dir/checkpoints/step_000010/trainer.json   step, sampler position, policy version, counters, RNG
 
 Everything is written into ``step_000010.tmp`` and renamed at the end, so a kill mid-save leaves
@@ -16,7 +16,6 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,15 +38,19 @@ def _step_dirs(run_dir) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Optional[Path]:
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint directory, or None."""
     dirs = _step_dirs(run_dir)
     return dirs[-1][1] if dirs else None
 
 
 def _rng_state() -> dict:
-    return {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
-            "python_gauss": random.getstate()[2], "torch": torch.get_rng_state().tolist()}
+    return {
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
+        "python_gauss": random.getstate()[2],
+        "torch": torch.get_rng_state().tolist(),
+    }
 
 
 def _set_rng_state(st: dict) -> None:
@@ -59,13 +62,21 @@ OBJECTIVE_STATE = "objective.pt"
 METHOD_STATE = "method.pt"  # estimator state, round processors, step hooks (MethodRuntime.state_dict)
 
 
-def save(run_dir: str | os.PathLike, step: int, learner, trainer_state: dict, keep_last: int,
-         objective_state: dict | None = None, method_state: dict | None = None) -> Path:
+def save(
+    run_dir: str | os.PathLike,
+    step: int,
+    learner,
+    trainer_state: dict,
+    keep_last: int,
+    objective_state: dict | None = None,
+    method_state: dict | None = None,
+) -> Path:
     """Write checkpoint ``step`` (collective over the world) and prune to the newest ``keep_last``.
 
     ``objective_state``: the stateful objective parts (e.g. a policy loss's running statistics), saved
     with torch.save next to the trainer state (identical on every rank: rank 0 writes it).
-    ``method_state``: the rest of the method state (estimator state, round processors, step hooks), rank 0's view."""
+    ``method_state``: the rest of the method state (estimator state, round processors, step
+    hooks), rank 0's view."""
     from megarl.learner.checkpoint import save_checkpoint
 
     root = checkpoint_root(run_dir)

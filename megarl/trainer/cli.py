@@ -12,8 +12,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="megarl train",
         description="Run an RL job from a YAML config. Overrides: section.key=value (YAML values), e.g. "
-                    "schedule.steps=20 logging.run_dir=runs/try2. Resumes from the newest checkpoint in "
-                    "logging.run_dir unless checkpoint.resume=never.")
+        "schedule.steps=20 logging.run_dir=runs/try2. Resumes from the newest checkpoint in "
+        "logging.run_dir unless checkpoint.resume=never.",
+    )
     ap.add_argument("config", help="YAML config (see examples/quickstart.yaml, docs/trainer.md)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     ap.add_argument("--check", action="store_true", help="validate the config and exit")

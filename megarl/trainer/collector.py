@@ -48,8 +48,17 @@ class LockedRewards:
 
 def empty_stats() -> dict:
     """The rollout statistics of a step before any round."""
-    return {"gen_tokens": 0, "gen_time": 0.0, "reward_time": 0.0, "groups_seen": 0, "groups_zero_var": 0,
-            "rounds": 0, "errors": 0, "timeouts": 0, "method": {}}
+    return {
+        "gen_tokens": 0,
+        "gen_time": 0.0,
+        "reward_time": 0.0,
+        "groups_seen": 0,
+        "groups_zero_var": 0,
+        "rounds": 0,
+        "errors": 0,
+        "timeouts": 0,
+        "method": {},
+    }
 
 
 class RolloutCollector:
@@ -61,11 +70,31 @@ class RolloutCollector:
     version: the engine's current policy version (versions of samples that carry none).
     """
 
-    def __init__(self, *, engine: Any, tokenizer: Any, dataset: Any, sampler: Any, rewards: Any, workflow: Any,
-                 processors: list, allocator: Any, sampling: Callable[..., Any], n: int, weights: dict[str, float],
-                 fallback: float, version: Callable[[], int], log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        tokenizer: Any,
+        dataset: Any,
+        sampler: Any,
+        rewards: Any,
+        workflow: Any,
+        processors: list,
+        allocator: Any,
+        sampling: Callable[..., Any],
+        n: int,
+        weights: dict[str, float],
+        fallback: float,
+        version: Callable[[], int],
+        log: Callable[[str], None] = print,
+    ):
         self.engine, self.tok, self.dataset, self.sampler = engine, tokenizer, dataset, sampler
-        self.rewards, self.workflow, self.processors, self.allocator = rewards, workflow, processors, allocator
+        self.rewards, self.workflow, self.processors, self.allocator = (
+            rewards,
+            workflow,
+            processors,
+            allocator,
+        )
         self.sampling, self.n, self.weights, self.fallback = sampling, n, weights, fallback
         self.version, self.log = version, log
 
@@ -95,24 +124,40 @@ class RolloutCollector:
         (new,) = await self._round([group.uid], step, 100 + group.rnd, stats, first_index=group.index)
         return new
 
-    async def _round(self, uids: list[int], step: int, rnd: int, stats: dict, first_index: int = 0
-                     ) -> list[GroupRecord]:
+    async def _round(
+        self, uids: list[int], step: int, rnd: int, stats: dict, first_index: int = 0
+    ) -> list[GroupRecord]:
         rows = [self.dataset.rows[i] for i in uids]
         prompt_ids = [self.tok.encode(r.prompt) for r in rows]
         t0 = time.time()
         v0 = self.version()
-        trajs = await asyncio.gather(*[
-            self.workflow.run(self.engine, row.prompt, row.answer, p, self.n, self.sampling(step, rnd, first_index + i))
-            for i, (row, p) in enumerate(zip(rows, prompt_ids))])
+        trajs = await asyncio.gather(
+            *[
+                self.workflow.run(
+                    self.engine, row.prompt, row.answer, p, self.n, self.sampling(step, rnd, first_index + i)
+                )
+                for i, (row, p) in enumerate(zip(rows, prompt_ids))
+            ]
+        )
         v1 = self.version()
         stats["gen_time"] += time.time() - t0
         t0 = time.time()
         groups = []
         for i, (uid, row, p, ts) in enumerate(zip(uids, rows, prompt_ids, trajs)):
-            samples = [SampleRecord(t.token_ids, t.logprobs, t.finish_reason, v0 if t.version is None else t.version,
-                                    mixed=t.mixed or (t.version is None and v1 != v0), truncated=t.truncated,
-                                    text=self.tok.decode(t.token_ids) if t.text is None else t.text,
-                                    loss_mask=t.loss_mask, turn_spans=t.turn_spans) for t in ts]
+            samples = [
+                SampleRecord(
+                    t.token_ids,
+                    t.logprobs,
+                    t.finish_reason,
+                    v0 if t.version is None else t.version,
+                    mixed=t.mixed or (t.version is None and v1 != v0),
+                    truncated=t.truncated,
+                    text=self.tok.decode(t.token_ids) if t.text is None else t.text,
+                    loss_mask=t.loss_mask,
+                    turn_spans=t.turn_spans,
+                )
+                for t in ts
+            ]
             stats["gen_tokens"] += sum(len(s.token_ids) for s in samples)
             groups.append(GroupRecord(row, uid, p, samples, rnd=rnd, index=first_index + i))
         texts = [s.text for g in groups for s in g.samples]
@@ -122,9 +167,20 @@ class RolloutCollector:
         stats["timeouts"] += rr.timeouts
         for f in rr.failures[:2]:
             self.log(f"megarl train: reward failure contained ({f}); fallback {self.fallback}")
-        r = RolloutRound([row.prompt for row in rows], [row.answer for row in rows], list(uids), prompt_ids,
-                         [s.token_ids for g in groups for s in g.samples], texts, dict(rr.dims), rr.scalar, self.n,
-                         step, rnd, dict(self.weights))
+        r = RolloutRound(
+            [row.prompt for row in rows],
+            [row.answer for row in rows],
+            list(uids),
+            prompt_ids,
+            [s.token_ids for g in groups for s in g.samples],
+            texts,
+            dict(rr.dims),
+            rr.scalar,
+            self.n,
+            step,
+            rnd,
+            dict(self.weights),
+        )
         extras: dict[str, list[float]] = {}
         for proc in self.processors:
             out = await proc.process(r)

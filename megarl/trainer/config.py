@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -38,7 +38,7 @@ class ModelConfig:
     """The policy model. ``hf_dir``: start from a HF checkpoint (config + safetensors); else a model
     is built with random weights from ``hf_config`` (a HF config dict, e.g. a tiny Qwen3)."""
 
-    hf_dir: Optional[str] = None
+    hf_dir: str | None = None
     hf_config: dict = field(default_factory=dict)
     tokenizer: Literal["char", "hf"] = "char"  # char: megarl.data.tokenizer.CharTokenizer over `alphabet`
     alphabet: str = "0123456789+-=*/ ()"
@@ -55,7 +55,7 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     sequence_parallel: bool = False
-    expert_tp: Optional[int] = None
+    expert_tp: int | None = None
     world_size: int = 0
 
 
@@ -73,9 +73,9 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 16
     max_concurrency: int = 64
-    weights_dir: Optional[str] = None  # server engines: where exported weights go (default run_dir/weights)
+    weights_dir: str | None = None  # server engines: where exported weights go (default run_dir/weights)
     launch: bool = False  # vllm: start one server on this node (vLLM venv) serving the initial policy
-    server_python: Optional[str] = None  # launch: the vLLM venv's python (default: .venv-vllm)
+    server_python: str | None = None  # launch: the vLLM venv's python (default: .venv-vllm)
     server_dtype: Literal["float32", "bfloat16"] = "float32"  # launch: the server's dtype
     server_max_num_seqs: int = 16  # launch: vLLM --max-num-seqs
     server_startup_timeout_s: float = 600.0  # launch: how long to wait for /health
@@ -93,11 +93,13 @@ class DataConfig:
     answer_field: str = "answer"
     task_field: str = "task"
     prompt_template: str = "{prompt}"
-    chat_template: bool = False  # wrap the rendered prompt as a user turn with the HF tokenizer's chat template
-    system_prompt: Optional[str] = None  # chat_template: an optional system turn before the user turn
+    chat_template: bool = (
+        False  # wrap the rendered prompt as a user turn with the HF tokenizer's chat template
+    )
+    system_prompt: str | None = None  # chat_template: an optional system turn before the user turn
     on_bad_row: Literal["fatal", "skip"] = "fatal"
     max_bad_rows: int = 10  # with on_bad_row=skip: more bad rows than this is fatal
-    generate: Optional[dict] = None  # {task: reverse|add|copy, ...} see megarl.data.tasks
+    generate: dict | None = None  # {task: reverse|add|copy, ...} see megarl.data.tasks
 
 
 @dataclass
@@ -109,14 +111,15 @@ class RewardFunctionConfig:
     name: str = "correct"
     kind: Literal["exact_match", "regex", "math_verify", "python"] = "exact_match"
     weight: float = 1.0
-    pattern: Optional[str] = None  # regex: a match (with the answer substituted for {answer}) = 1
-    function: Optional[str] = None  # python: "package.module:function"
+    pattern: str | None = None  # regex: a match (with the answer substituted for {answer}) = 1
+    function: str | None = None  # python: "package.module:function"
     kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
 class JudgeConfig:
-    """LLM-judge calls of judged reward shapers (those that declare ``needs_judge``) through the rollout engine: each call
+    """LLM-judge calls of judged reward shapers (those that declare ``needs_judge``) through the
+    rollout engine: each call
     is bounded by ``timeout_s``; failed or malformed replies are contained and counted."""
 
     timeout_s: float = 30.0
@@ -134,7 +137,7 @@ class RewardConfig:
     functions: list = field(default_factory=lambda: [RewardFunctionConfig()])
     timeout_s: float = 5.0
     fallback: float = 0.0
-    shaping: Optional[dict] = None
+    shaping: dict | None = None
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
@@ -152,7 +155,7 @@ class TeacherConfig:
     checkpoint sharing the policy's vocabulary, run forward-only beside the learner; its logprobs of
     the sampled tokens fill ``batch.teacher_logprobs``."""
 
-    hf_dir: Optional[str] = None  # the teacher's HF checkpoint directory (config.json + safetensors)
+    hf_dir: str | None = None  # the teacher's HF checkpoint directory (config.json + safetensors)
 
 
 @dataclass
@@ -221,7 +224,9 @@ class LoggingConfig:
     tensorboard: bool = False  # event files in run_dir/tensorboard (the `tensorboard` package)
     wandb: bool = False  # log to Weights & Biases when the wandb package is installed (never required)
     wandb_project: str = "megarl"
-    progress: Literal["auto", "bar", "lines"] = "auto"  # auto: a live bar on a terminal, plain lines otherwise
+    progress: Literal["auto", "bar", "lines"] = (
+        "auto"  # auto: a live bar on a terminal, plain lines otherwise
+    )
     plot: bool = True
 
 
@@ -254,8 +259,10 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    method: Optional[dict] = None  # {name: <built-in method>} or {import: "pkg.module:SPEC"}, plus its knobs
-    inputs: dict = field(default_factory=dict)  # knobs of batch-input providers: {<input name>: {<knob>: value}}
+    method: dict | None = None  # {name: <built-in method>} or {import: "pkg.module:SPEC"}, plus its knobs
+    inputs: dict = field(
+        default_factory=dict
+    )  # knobs of batch-input providers: {<input name>: {<knob>: value}}
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -342,8 +349,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - set(names))
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown key {where}{unknown[0]}; allowed in {prefix or 'the top level'}: "
-                          f"{', '.join(names)}")
+        raise ConfigError(
+            f"unknown key {where}{unknown[0]}; allowed in {prefix or 'the top level'}: {', '.join(names)}"
+        )
     kw = {}
     for name in names:
         if name not in data:
@@ -355,7 +363,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             kw[name] = _build(tp, v, key)
         elif (prefix, name) in _LIST_ITEM_TYPES:
             items = _coerce(v, list, key)
-            kw[name] = [_build(_LIST_ITEM_TYPES[(prefix, name)], it, f"{key}[{i}]") for i, it in enumerate(items)]
+            kw[name] = [
+                _build(_LIST_ITEM_TYPES[(prefix, name)], it, f"{key}[{i}]") for i, it in enumerate(items)
+            ]
         else:
             kw[name] = _coerce(v, tp, key)
     return cls(**kw)
@@ -469,36 +479,55 @@ def validate(cfg: TrainConfig) -> None:
     load_builtin()
 
     s, r = cfg.schedule, cfg.rollout
-    for key, v in (("schedule.steps", s.steps), ("schedule.prompts_per_step", s.prompts_per_step),
-                   ("schedule.ppo_epochs", s.ppo_epochs), ("schedule.mini_batches", s.mini_batches),
-                   ("schedule.micro_batches", s.micro_batches), ("rollout.n", r.n),
-                   ("rollout.max_new_tokens", r.max_new_tokens), ("checkpoint.every", cfg.checkpoint.every),
-                   ("checkpoint.keep_last", cfg.checkpoint.keep_last), ("sampling.max_rounds", cfg.sampling.max_rounds),
-                   ("logging.print_every", cfg.logging.print_every), ("schedule.eval_k", s.eval_k)):
+    for key, v in (
+        ("schedule.steps", s.steps),
+        ("schedule.prompts_per_step", s.prompts_per_step),
+        ("schedule.ppo_epochs", s.ppo_epochs),
+        ("schedule.mini_batches", s.mini_batches),
+        ("schedule.micro_batches", s.micro_batches),
+        ("rollout.n", r.n),
+        ("rollout.max_new_tokens", r.max_new_tokens),
+        ("checkpoint.every", cfg.checkpoint.every),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+        ("sampling.max_rounds", cfg.sampling.max_rounds),
+        ("logging.print_every", cfg.logging.print_every),
+        ("schedule.eval_k", s.eval_k),
+    ):
         _positive(key, v)
     _positive("warmup.sft_steps", cfg.warmup.sft_steps, strict=False)
     _positive("async_loop.max_staleness", cfg.async_loop.max_staleness, strict=False)
     if cfg.data.chat_template and cfg.model.tokenizer != "hf":
-        raise ConfigError("data.chat_template=true needs model.tokenizer='hf' (a tokenizer with a chat template)")
+        raise ConfigError(
+            "data.chat_template=true needs model.tokenizer='hf' (a tokenizer with a chat template)"
+        )
     _positive("reward.timeout_s", cfg.reward.timeout_s)
     _positive("rollout.temperature", r.temperature, strict=False)
     if s.mini_batches > s.prompts_per_step:
-        raise ConfigError(f"schedule.mini_batches={s.mini_batches} must be <= schedule.prompts_per_step="
-                          f"{s.prompts_per_step} (mini-batches hold whole groups)")
+        raise ConfigError(
+            f"schedule.mini_batches={s.mini_batches} must be <= schedule.prompts_per_step="
+            f"{s.prompts_per_step} (mini-batches hold whole groups)"
+        )
     if cfg.advantage.estimator not in ADVANTAGE_ESTIMATORS:
-        raise ConfigError(f"advantage.estimator={cfg.advantage.estimator!r}; allowed: "
-                          f"{', '.join(ADVANTAGE_ESTIMATORS.names())}")
+        raise ConfigError(
+            f"advantage.estimator={cfg.advantage.estimator!r}; allowed: "
+            f"{', '.join(ADVANTAGE_ESTIMATORS.names())}"
+        )
     fn = ADVANTAGE_ESTIMATORS.get(cfg.advantage.estimator)
     params = {n: p for n, p in inspect.signature(fn).parameters.items() if n != "batch"}
     for k, v in cfg.advantage.knobs.items():
         if k not in params:
-            raise ConfigError(f"unknown key advantage.{k} for estimator {cfg.advantage.estimator!r}; allowed: "
-                              f"estimator{', ' if params else ''}{', '.join(params)}")
+            raise ConfigError(
+                f"unknown key advantage.{k} for estimator {cfg.advantage.estimator!r}; allowed: "
+                f"estimator{', ' if params else ''}{', '.join(params)}"
+            )
         default = params[k].default
         if isinstance(default, bool) and not isinstance(v, bool):
             raise ConfigError(f"advantage.{k}={v!r} must be true or false")
-        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
-                isinstance(v, bool) or not isinstance(v, (int, float))):
+        if (
+            isinstance(default, (int, float))
+            and not isinstance(default, bool)
+            and (isinstance(v, bool) or not isinstance(v, (int, float)))
+        ):
             raise ConfigError(f"advantage.{k}={v!r} must be a number")
     try:
         cfg.objective.validate()
@@ -506,11 +535,13 @@ def validate(cfg: TrainConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if r.engine != "embedded" and not r.urls and not r.launch:
-        raise ConfigError(f"rollout.engine={r.engine!r} needs rollout.urls (the servers' base URLs) or "
-                          "rollout.launch=true")
+        raise ConfigError(
+            f"rollout.engine={r.engine!r} needs rollout.urls (the servers' base URLs) or rollout.launch=true"
+        )
     if r.launch and (r.engine != "vllm" or r.urls):
-        raise ConfigError("rollout.launch=true starts one vLLM server: it needs rollout.engine='vllm' and no "
-                          "rollout.urls")
+        raise ConfigError(
+            "rollout.launch=true starts one vLLM server: it needs rollout.engine='vllm' and no rollout.urls"
+        )
     if not cfg.data.train and not cfg.data.generate:
         raise ConfigError("data.train is empty: give a jsonl path/glob or data.generate")
     if not cfg.reward.functions:
@@ -522,11 +553,15 @@ def validate(cfg: TrainConfig) -> None:
         if f.kind == "regex" and not f.pattern:
             raise ConfigError(f"reward.functions[{i}].pattern is required for kind 'regex'")
         if f.kind == "python" and (not f.function or ":" not in f.function):
-            raise ConfigError(f"reward.functions[{i}].function must be 'module:function' for kind 'python', "
-                              f"got {f.function!r}")
+            raise ConfigError(
+                f"reward.functions[{i}].function must be 'module:function' for kind 'python', "
+                f"got {f.function!r}"
+            )
     _check_method_inputs(cfg)
     if cfg.model.hf_dir is None and not cfg.model.hf_config:
-        raise ConfigError("model: give model.hf_dir (a HF checkpoint) or model.hf_config (built with random weights)")
+        raise ConfigError(
+            "model: give model.hf_dir (a HF checkpoint) or model.hf_config (built with random weights)"
+        )
     if cfg.objective.kl_coef and cfg.warmup.sft_steps == 0 and cfg.model.hf_dir is None:
         pass  # the reference is the random initial model: allowed, if odd
 
@@ -546,16 +581,21 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
     _positive("reward.judge.timeout_s", cfg.reward.judge.timeout_s)
     _positive("environment.max_turns", cfg.environment.max_turns)
     if cfg.environment.name not in WORKFLOWS:
-        raise ConfigError(f"environment.name={cfg.environment.name!r}; allowed: {', '.join(WORKFLOWS.names())}")
+        raise ConfigError(
+            f"environment.name={cfg.environment.name!r}; allowed: {', '.join(WORKFLOWS.names())}"
+        )
     d = cfg.objective.distill
     if d in ("forward_kl", "reverse_kl"):
-        raise ConfigError(f"objective.distill={d!r} needs the teacher's full-vocabulary logits inside the loss, "
-                          "which the trainer does not provide yet; use sampled_reverse_kl (teacher logprobs)")
+        raise ConfigError(
+            f"objective.distill={d!r} needs the teacher's full-vocabulary logits inside the loss, "
+            "which the trainer does not provide yet; use sampled_reverse_kl (teacher logprobs)"
+        )
     try:
         cfg.environment.feedback.format(prompt="")
     except (KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"environment.feedback={cfg.environment.feedback!r}: only {{prompt}} may be used "
-                          f"({e!r})") from None
+        raise ConfigError(
+            f"environment.feedback={cfg.environment.feedback!r}: only {{prompt}} may be used ({e!r})"
+        ) from None
     _positive("reward.judge.max_new_tokens", cfg.reward.judge.max_new_tokens)
     try:
         spec = method_of(cfg)
@@ -601,22 +641,33 @@ def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int) -> None:
     layers = int(hf_config.get("num_hidden_layers", 0))
     experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
     if heads % p.tp or kv % p.tp:
-        raise ConfigError(f"parallel.tp={p.tp} must divide num_attention_heads={heads} and "
-                          f"num_key_value_heads={kv}; allowed tp: {_divisors_of_both(heads, kv)}")
+        raise ConfigError(
+            f"parallel.tp={p.tp} must divide num_attention_heads={heads} and "
+            f"num_key_value_heads={kv}; allowed tp: {_divisors_of_both(heads, kv)}"
+        )
     if vocab % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide vocab_size={vocab}")
     if layers % p.pp:
-        raise ConfigError(f"parallel.pp={p.pp} must divide num_hidden_layers={layers}; allowed pp: "
-                          f"{_divisors_of_both(layers, layers)}")
+        raise ConfigError(
+            f"parallel.pp={p.pp} must divide num_hidden_layers={layers}; allowed pp: "
+            f"{_divisors_of_both(layers, layers)}"
+        )
     if p.ep > 1 and (not experts or experts % p.ep):
-        raise ConfigError(f"parallel.ep={p.ep} must divide num_experts={experts}"
-                          + (f"; allowed ep: {_divisors_of_both(experts, experts)}" if experts else
-                             " (a dense model needs ep=1)"))
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide num_experts={experts}"
+            + (
+                f"; allowed ep: {_divisors_of_both(experts, experts)}"
+                if experts
+                else " (a dense model needs ep=1)"
+            )
+        )
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     if cfg.schedule.prompts_per_step % max(world_size // mp, 1):
-        raise ConfigError(f"schedule.prompts_per_step={cfg.schedule.prompts_per_step} must be divisible by the "
-                          f"data-parallel size {world_size // mp}")
+        raise ConfigError(
+            f"schedule.prompts_per_step={cfg.schedule.prompts_per_step} must be divisible by the "
+            f"data-parallel size {world_size // mp}"
+        )
 
 
 def _divisors_of_both(a: int, b: int) -> str:

@@ -178,7 +178,8 @@ def _fmt_default(v: Any) -> str:
     if isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):
         return f"{len(v)} item(s): " + "; ".join(
             ", ".join(f"{k}={x!r}" for k, x in dataclasses.asdict(i).items() if x not in (None, {}, []))
-            for i in v)
+            for i in v
+        )
     text = "null" if v is None else ("true" if v is True else ("false" if v is False else repr(v)))
     return f"`{text}`".replace("|", "\\|")
 
@@ -221,29 +222,51 @@ def missing_meanings() -> list[str]:
 def render() -> str:
     """The whole of docs/configuration.md."""
     hints = typing.get_type_hints(C.TrainConfig)
-    intro = ("Every section and key of a `megarl train` config, with its type, default and meaning. "
-             "Generated from the dataclasses in `megarl/trainer/config.py` (and the sections they reuse) by "
-             "`python -m megarl.trainer.config_docs > docs/configuration.md`; a test keeps it in sync.")
-    usage = ("Keys are written as in the YAML (`section.key`) or as `section.key=value` overrides on the command "
-             "line. Unknown keys and wrong types fail at start with one message naming the key; `Literal` types "
-             "list the allowed values. `advantage:` takes the estimator's own knobs beside `estimator` "
-             "(checked against its signature).")
+    intro = (
+        "Every section and key of a `megarl train` config, with its type, default and meaning. "
+        "Generated from the dataclasses in `megarl/trainer/config.py` (and the sections they reuse) by "
+        "`python -m megarl.trainer.config_docs > docs/configuration.md`; a test keeps it in sync."
+    )
+    usage = (
+        "Keys are written as in the YAML (`section.key`) or as `section.key=value` overrides on the command "
+        "line. Unknown keys and wrong types fail at start with one message naming the key; `Literal` types "
+        "list the allowed values. `advantage:` takes the estimator's own knobs beside `estimator` "
+        "(checked against its signature)."
+    )
     out = ["# Configuration reference", "", intro, "", usage, ""]
     for f in dataclasses.fields(C.TrainConfig):
         cls = hints[f.name]
         if not dataclasses.is_dataclass(cls):  # a free-form section, checked by the parts it configures
-            out += [f"## `{f.name}`", "", MEANINGS[f.name] + ".", "", "| key | type | default | meaning |",
-                    "|---|---|---|---|", f"| `{f.name}` | {C._type_name(cls)} | {_fmt_default(_default(f))} | "
-                    f"{MEANINGS[f.name]} |", ""]
+            out += [
+                f"## `{f.name}`",
+                "",
+                MEANINGS[f.name] + ".",
+                "",
+                "| key | type | default | meaning |",
+                "|---|---|---|---|",
+                f"| `{f.name}` | {C._type_name(cls)} | {_fmt_default(_default(f))} | {MEANINGS[f.name]} |",
+                "",
+            ]
             continue
-        out += [f"## `{f.name}`", "", _section_doc(cls), "", "| key | type | default | meaning |",
-                "|---|---|---|---|"]
+        out += [
+            f"## `{f.name}`",
+            "",
+            _section_doc(cls),
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         for key, tp, default, meaning in rows(cls, f.name + "."):
             out.append(f"| `{key}` | {tp} | {default} | {meaning} |")
         for lkey, item in LIST_ITEMS.items():
             if lkey.startswith(f.name + "."):
-                out += ["", f"Each item of `{lkey}`: {_section_doc(item)}", "",
-                        "| key | type | default | meaning |", "|---|---|---|---|"]
+                out += [
+                    "",
+                    f"Each item of `{lkey}`: {_section_doc(item)}",
+                    "",
+                    "| key | type | default | meaning |",
+                    "|---|---|---|---|",
+                ]
                 for key, tp, default, meaning in rows(item, lkey + "[]."):
                     out.append(f"| `{key}` | {tp} | {default} | {meaning} |")
         out.append("")

@@ -8,9 +8,14 @@ from typing import Any
 
 
 async def _generate(run: Any, rows: list, n: int, step: int, greedy: bool = False) -> list:
-    return await asyncio.gather(*[
-        run.engine.generate(run.tok.encode(r.prompt), n=n, sampling=run.sampling_params(step, 0, i, greedy))
-        for i, r in enumerate(rows)])
+    return await asyncio.gather(
+        *[
+            run.engine.generate(
+                run.tok.encode(r.prompt), n=n, sampling=run.sampling_params(step, 0, i, greedy)
+            )
+            for i, r in enumerate(rows)
+        ]
+    )
 
 
 def evaluate(run: Any) -> dict:
@@ -19,7 +24,7 @@ def evaluate(run: Any) -> dict:
     if run.eval_ds is None:
         return {}
     s = run.cfg.schedule
-    rows = run.eval_ds.rows[:s.eval_samples]
+    rows = run.eval_ds.rows[: s.eval_samples]
     t0 = time.time()
     greedy = run.loop.run_until_complete(_generate(run, rows, 1, step=-1, greedy=True))
     texts = [run.tok.decode(g.samples[0].token_ids) for g in greedy]
@@ -40,6 +45,9 @@ def evaluate(run: Any) -> dict:
 
 def eval_text(rec: dict) -> str:
     """The held-out numbers of a record for the progress line."""
-    parts = [f"{k[5:]} {v:.3f}" for k, v in rec.items()
-             if k.startswith("eval/") and k != "eval/reward_greedy" and isinstance(v, float)]
+    parts = [
+        f"{k[5:]} {v:.3f}"
+        for k, v in rec.items()
+        if k.startswith("eval/") and k != "eval/reward_greedy" and isinstance(v, float)
+    ]
     return ("  | held-out " + "  ".join(parts)) if parts else ""

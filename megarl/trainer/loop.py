@@ -16,6 +16,7 @@ same samples as an uninterrupted one.
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 
@@ -45,7 +46,9 @@ class SyncRollouts:
         """Rank 0: the rollouts of ``step`` and their statistics."""
         r = self.run
         b = r.loop.run_until_complete(r.collector.collect(step))
-        return rollouts_from_groups(b.groups, r.train_ds.task_id, r.rewards.names, with_versions=False), b.stats
+        return rollouts_from_groups(
+            b.groups, r.train_ds.task_id, r.rewards.names, with_versions=False
+        ), b.stats
 
     def update_weights(self, version: int) -> None:
         """Sync the learner's weights to the engine (collective)."""
@@ -182,10 +185,17 @@ class Trainer:
         rec.update(rollout_metrics(run, ro, rstats))
         rec.update(batch_metrics(batch))
         train_tokens = batch.num_tokens * cfg.schedule.ppo_epochs
-        rec.update({"time/rollout": rstats["gen_time"], "time/reward": rstats["reward_time"],
-                    "time/logprob": t_logprob, "time/train": t_train, "time/sync": t_sync,
-                    "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
-                    "time/step": time.time() - t_step})
+        rec.update(
+            {
+                "time/rollout": rstats["gen_time"],
+                "time/reward": rstats["reward_time"],
+                "time/logprob": t_logprob,
+                "time/train": t_train,
+                "time/sync": t_sync,
+                "perf/train_tokens_per_s": train_tokens / max(t_train, 1e-9),
+                "time/step": time.time() - t_step,
+            }
+        )
         rec.update(run.faults.end_step(step, rec))
         return rec
 
@@ -197,7 +207,7 @@ class Trainer:
         for _epoch in range(s.ppo_epochs):
             nmb = min(s.mini_batches, len(gids))
             bounds = torch.linspace(0, len(gids), nmb + 1).round().long().tolist()
-            for a, b in zip(bounds[:-1], bounds[1:]):
+            for a, b in itertools.pairwise(bounds):
                 keep = set(gids[a:b])
                 mb = batch.select([i for i, g in enumerate(batch.group_ids.tolist()) if g in keep])
                 local = run.dp_share(mb)
@@ -214,10 +224,21 @@ class Trainer:
         """Save checkpoint ``step`` (collective)."""
         run = self.r
         t0 = time.time()
-        state = {"sampler": run.sampler.state_dict(), "reward_failures": run.failures_total,
-                 "policy_version": step, **self.source.state()}
-        path = checkpointing.save(run.run_dir, step, run.learner, state, self.cfg.checkpoint.keep_last,
-                                  objective_state=run.objective.state_dict(), method_state=run.method.state_dict())
+        state = {
+            "sampler": run.sampler.state_dict(),
+            "reward_failures": run.failures_total,
+            "policy_version": step,
+            **self.source.state(),
+        }
+        path = checkpointing.save(
+            run.run_dir,
+            step,
+            run.learner,
+            state,
+            self.cfg.checkpoint.keep_last,
+            objective_state=run.objective.state_dict(),
+            method_state=run.method.state_dict(),
+        )
         log(f"checkpoint {path} ({time.time() - t0:.1f}s)")
 
     def finish(self) -> None:

@@ -133,7 +133,9 @@ class MethodRuntime:
         if ctx.rank0:
             for provider, names in _providers(self.inputs):
                 if provider.stage == "round":
-                    self.round_processors.append(provider.build(_with_provider_knobs(ctx, provider), frozenset(names)))
+                    self.round_processors.append(
+                        provider.build(_with_provider_knobs(ctx, provider), frozenset(names))
+                    )
         if spec is not None and spec.build is not None:
             parts: MethodParts = spec.build(ctx, method_knobs)
             if ctx.rank0:
@@ -163,25 +165,33 @@ class MethodRuntime:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """The estimator's state and every round processor's and hook's (rank 0's view)."""
-        return {"estimator": None if self.advantages.state is None else self.advantages.state.state_dict(),
-                "round_processors": [p.state_dict() for p in self.round_processors],
-                "step_hooks": [h.state_dict() for h in self.step_hooks]}
+        return {
+            "estimator": None if self.advantages.state is None else self.advantages.state.state_dict(),
+            "round_processors": [p.state_dict() for p in self.round_processors],
+            "step_hooks": [h.state_dict() for h in self.step_hooks],
+        }
 
     def load_state_dict(self, state: dict, rank0: bool = True) -> None:
         """Restore ``state_dict()``; a mismatch names what differs."""
         est = state.get("estimator")
         if (self.advantages.state is None) != (est is None):
-            raise ValueError(f"checkpoint method state {'has' if est is not None else 'has no'} estimator state, "
-                             f"but advantage.estimator={self.advantages.name!r} "
-                             f"{'has' if self.advantages.state is not None else 'has no'} state")
+            raise ValueError(
+                f"checkpoint method state {'has' if est is not None else 'has no'} estimator state, "
+                f"but advantage.estimator={self.advantages.name!r} "
+                f"{'has' if self.advantages.state is not None else 'has no'} state"
+            )
         if est is not None:
             self.advantages.state.load_state_dict(est)
-        for kind, parts in (("round_processors", self.round_processors if rank0 else []),
-                            ("step_hooks", self.step_hooks)):
+        for kind, parts in (
+            ("round_processors", self.round_processors if rank0 else []),
+            ("step_hooks", self.step_hooks),
+        ):
             saved = state.get(kind, [])
             if rank0 or kind == "step_hooks":
                 if len(saved) != len(parts):
-                    raise ValueError(f"checkpoint has {len(saved)} {kind.replace('_', ' ')}, this run has {len(parts)}")
+                    raise ValueError(
+                        f"checkpoint has {len(saved)} {kind.replace('_', ' ')}, this run has {len(parts)}"
+                    )
                 for p, s in zip(parts, saved):
                     p.load_state_dict(s)
 

@@ -4,8 +4,6 @@ display (a bar with ETA on a terminal, plain lines in logs)."""
 
 from __future__ import annotations
 
-from megarl.rundir import read_metrics  # noqa: F401  (re-exported: the trainer's metrics API)
-
 import json
 import math
 import os
@@ -13,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from megarl.rundir import read_metrics  # noqa: F401  (re-exported: the trainer's metrics API)
 
 
 def _scalars(record: dict) -> dict[str, float]:
@@ -28,8 +28,14 @@ class MetricsWriter:
     """Appends records to metrics.jsonl (and tensorboard / wandb); on resume, drops records newer
     than the checkpoint (``truncate_after``), in tensorboard too (``purge_step``)."""
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str = "megarl", config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "megarl",
+        config: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,15 +53,23 @@ class MetricsWriter:
         from megarl.trainer.config import to_dict
 
         lg = cfg.logging
-        return cls(run_dir, tensorboard=lg.tensorboard, wandb=lg.wandb, wandb_project=lg.wandb_project,
-                   config=to_dict(cfg) if lg.wandb else None)
+        return cls(
+            run_dir,
+            tensorboard=lg.tensorboard,
+            wandb=lg.wandb,
+            wandb_project=lg.wandb_project,
+            config=to_dict(cfg) if lg.wandb else None,
+        )
 
     def _open_tensorboard(self, purge_step: int | None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            print("megarl train: logging.tensorboard=true but the tensorboard package is not installed; "
-                  "writing metrics.jsonl only", file=sys.stderr)
+            print(
+                "megarl train: logging.tensorboard=true but the tensorboard package is not installed; "
+                "writing metrics.jsonl only",
+                file=sys.stderr,
+            )
             return
         if self._tb is not None:
             self._tb.close()
@@ -65,15 +79,24 @@ class MetricsWriter:
         try:
             import wandb
         except ImportError:
-            print("megarl train: logging.wandb=true but wandb is not installed (pip install wandb); "
-                  "writing metrics.jsonl only", file=sys.stderr)
+            print(
+                "megarl train: logging.wandb=true but wandb is not installed (pip install wandb); "
+                "writing metrics.jsonl only",
+                file=sys.stderr,
+            )
             return
         # one wandb run per run directory: a resumed job continues the same wandb run
         id_file = self.run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
         id_file.write_text(run_id)
-        self._wandb = wandb.init(project=project, id=run_id, resume="allow", name=self.run_dir.name,
-                                 dir=str(self.run_dir), config=config)
+        self._wandb = wandb.init(
+            project=project,
+            id=run_id,
+            resume="allow",
+            name=self.run_dir.name,
+            dir=str(self.run_dir),
+            config=config,
+        )
 
     def truncate_after(self, step: int) -> None:
         """Keep only records with ``step <= step`` (work after the checkpoint is redone on resume)."""
@@ -151,16 +174,19 @@ class Progress:
 
     def line(self, step: int, m: dict) -> str:
         """The display line of ``step`` with the metrics record ``m``."""
+
         def f(key: str, fmt: str = "{:.3f}") -> str:
             v = m.get(key)
             return "-" if v is None else fmt.format(v)
 
         eta = self.eta(step)
-        text = (f"step {step:>4}/{self.total}  reward {f('reward/mean')}  loss {f('train/loss', '{:+.4f}')}  "
-                f"kl {f('train/kl', '{:.5f}')}  entropy {f('train/entropy')}  "
-                f"resp_len {f('rollout/response_len', '{:.1f}')}  "
-                f"tok/s roll {f('perf/rollout_tokens_per_s', '{:.0f}')} train "
-                f"{f('perf/train_tokens_per_s', '{:.0f}')}  {f('time/step', '{:.1f}')}s")
+        text = (
+            f"step {step:>4}/{self.total}  reward {f('reward/mean')}  loss {f('train/loss', '{:+.4f}')}  "
+            f"kl {f('train/kl', '{:.5f}')}  entropy {f('train/entropy')}  "
+            f"resp_len {f('rollout/response_len', '{:.1f}')}  "
+            f"tok/s roll {f('perf/rollout_tokens_per_s', '{:.0f}')} train "
+            f"{f('perf/train_tokens_per_s', '{:.0f}')}  {f('time/step', '{:.1f}')}s"
+        )
         if self.bar:
             return f"{self._bar(step)}{text}  eta {_duration(eta)}"
         return f"{text}  eta {eta:.0f}s"

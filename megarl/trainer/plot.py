@@ -7,18 +7,22 @@ no text) written with zlib, so the quickstart always leaves a picture of its rew
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Optional
 
 from megarl.trainer.metrics import read_metrics
 
-_SERIES = (("reward/mean", (31, 119, 180)), ("eval/sampled_acc", (44, 160, 44)), ("eval/pass@1", (214, 39, 40)))
+_SERIES = (
+    ("reward/mean", (31, 119, 180)),
+    ("eval/sampled_acc", (44, 160, 44)),
+    ("eval/pass@1", (214, 39, 40)),
+)
 
 
-def plot_run(run_dir: str | os.PathLike) -> Optional[Path]:
+def plot_run(run_dir: str | os.PathLike) -> Path | None:
     """Write ``run_dir/curves.png``; returns its path (None when there is nothing to plot)."""
     recs = read_metrics(run_dir)
     series = {k: [(r["step"], r[k]) for r in recs if r.get(k) is not None] for k, _ in _SERIES}
@@ -35,7 +39,13 @@ def plot_run(run_dir: str | os.PathLike) -> Optional[Path]:
         for k, color in _SERIES:
             if series[k]:
                 xs, ys = zip(*series[k])
-                ax.plot(xs, ys, label=k, color=[c / 255 for c in color], marker="o" if k.startswith("eval") else None)
+                ax.plot(
+                    xs,
+                    ys,
+                    label=k,
+                    color=[c / 255 for c in color],
+                    marker="o" if k.startswith("eval") else None,
+                )
         ax.set_xlabel("step")
         ax.set_ylim(-0.02, 1.02)
         ax.legend()
@@ -78,17 +88,23 @@ def _raster_png(series: dict, out: Path, W: int = 640, H: int = 360, pad: int = 
 
     for k, color in _SERIES:
         pts = [to_xy(s, v) for s, v in series.get(k, [])]
-        for a, b in zip(pts[:-1], pts[1:]):
+        for a, b in itertools.pairwise(pts):
             line(a, b, color)
         for p in pts if k.startswith("eval") else []:
             line((p[0] - 3, p[1]), (p[0] + 3, p[1]), color)
     raw = b"".join(b"\x00" + bytes(v for pix in row for v in pix) for row in px)
 
     def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+        return (
+            struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+        )
 
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0)) + \
-        chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 6))
+        + chunk(b"IEND", b"")
+    )
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(png)
     os.replace(tmp, out)

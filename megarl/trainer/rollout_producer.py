@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
 from collections.abc import Coroutine
-import dataclasses
 from typing import Any
 
 from megarl.rollout.engine import RolloutEngine
@@ -117,8 +117,14 @@ class GatedEngine:
                 return res
             self.counters["resubmitted_groups"] += 1
 
-    async def generate(self, prompt_ids: list[int], n: int = 1, sampling: Any = None, request_id: str | None = None,
-                       **kw: Any) -> GenerateResult:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int = 1,
+        sampling: Any = None,
+        request_id: str | None = None,
+        **kw: Any,
+    ) -> GenerateResult:
         """``n`` finished samples of ``prompt_ids``, each with ``weight_version`` = its oldest version
         and ``meta["mixed"]`` when it was generated across a weight update."""
         prompt_ids = list(prompt_ids)
@@ -135,8 +141,11 @@ class GatedEngine:
             if self.partial == "abort":
                 self.counters["resubmitted_groups"] += 1
                 continue
-            res.samples = list(await asyncio.gather(*[self._continue(prompt_ids, s, sampling, j)
-                                                      for j, s in enumerate(res.samples)]))
+            res.samples = list(
+                await asyncio.gather(
+                    *[self._continue(prompt_ids, s, sampling, j) for j, s in enumerate(res.samples)]
+                )
+            )
             return res
 
     async def _continue(self, prompt_ids: list[int], s: Sample, sp: Any, j: int) -> Sample:
@@ -147,16 +156,22 @@ class GatedEngine:
                 s.finish_reason = "length"
                 break
             self.counters["continued_samples"] += 1
-            seed = None if sp.seed is None else (sp.seed * 31 + 7 * j + len(s.token_ids)) % (2 ** 31)
-            res = await self._request(prompt_ids + list(s.token_ids), 1,
-                                      dataclasses.replace(sp, max_new_tokens=left, seed=seed))
+            seed = None if sp.seed is None else (sp.seed * 31 + 7 * j + len(s.token_ids)) % (2**31)
+            res = await self._request(
+                prompt_ids + list(s.token_ids), 1, dataclasses.replace(sp, max_new_tokens=left, seed=seed)
+            )
             part = res.samples[0]
             v = version_of(part.weight_version)
             v = self._version() if v is None else v
             old = int(s.weight_version)
             mixed = bool(s.meta.get("mixed")) or (bool(s.token_ids) and v != old)
-            s = Sample(list(s.token_ids) + list(part.token_ids), list(s.logprobs) + [float(x) for x in part.logprobs],
-                       part.finish_reason, weight_version=str(min(old, v)), meta={"mixed": mixed})
+            s = Sample(
+                list(s.token_ids) + list(part.token_ids),
+                list(s.logprobs) + [float(x) for x in part.logprobs],
+                part.finish_reason,
+                weight_version=str(min(old, v)),
+                meta={"mixed": mixed},
+            )
         return s
 
 
@@ -166,9 +181,18 @@ class RolloutProducer:
     in ``batches``. Every coroutine here runs on the producer's loop; the trainer calls them through
     ``ThreadEventLoop.run_until_complete``. The sampler is touched only on that loop."""
 
-    def __init__(self, engine: Any, sampler: Any, max_staleness: int, partial: str, total_steps: int,
-                 first_step: int, version: int, restored: list[CollectedBatch] | None = None,
-                 counters: dict | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        sampler: Any,
+        max_staleness: int,
+        partial: str,
+        total_steps: int,
+        first_step: int,
+        version: int,
+        restored: list[CollectedBatch] | None = None,
+        counters: dict | None = None,
+    ):
         self.engine, self.sampler = engine, sampler
         self.max_staleness, self.partial, self.total_steps = max_staleness, partial, total_steps
         self.collector: Any = None
@@ -178,9 +202,15 @@ class RolloutProducer:
             self._put(b)
         self.next_step = first_step  # the step whose batch is generated now / next
         self.version = version
-        self.counters = {"aborted_requests": 0, "resubmitted_groups": 0, "continued_samples": 0,
-                         "dropped_stale_groups": 0, "regenerated_groups": 0, "weight_updates": 0,
-                         "kept_requests": 0}
+        self.counters = {
+            "aborted_requests": 0,
+            "resubmitted_groups": 0,
+            "continued_samples": 0,
+            "dropped_stale_groups": 0,
+            "regenerated_groups": 0,
+            "weight_updates": 0,
+            "kept_requests": 0,
+        }
         self.counters.update(counters or {})
         self.gated: GatedEngine | None = None
         self._sampler_at_batch_start: dict | None = None
@@ -203,7 +233,9 @@ class RolloutProducer:
                 item = self.batches.get(timeout=timeout_s)
             except queue.Empty:
                 if self._task is not None and self._task.done() and self.batches.empty():
-                    raise RuntimeError(f"the rollout producer stopped without producing step {step}'s batch") from None
+                    raise RuntimeError(
+                        f"the rollout producer stopped without producing step {step}'s batch"
+                    ) from None
                 continue
             if isinstance(item, BaseException):
                 raise RuntimeError(f"the rollout producer failed: {item!r}") from item
@@ -258,9 +290,14 @@ class RolloutProducer:
         from megarl.trainer.rollouts import batch_to_json
 
         sampler = self._sampler_at_batch_start or self.sampler.state_dict()
-        return {"queued": [batch_to_json(b) for b in self._queued], "next_step": self.next_step,
-                "sampler": sampler, "counters": dict(self.counters), "version": self.version,
-                "max_staleness": self.max_staleness}
+        return {
+            "queued": [batch_to_json(b) for b in self._queued],
+            "next_step": self.next_step,
+            "sampler": sampler,
+            "counters": dict(self.counters),
+            "version": self.version,
+            "max_staleness": self.max_staleness,
+        }
 
     # ------------------------------------------------------------------- production
     async def _main(self) -> None:
@@ -278,5 +315,5 @@ class RolloutProducer:
                 self._put(b)
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which re-raises
+        except BaseException as e:
             self.batches.put(e)

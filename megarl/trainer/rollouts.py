@@ -66,18 +66,47 @@ class CollectedBatch:
 
 def batch_to_json(b: CollectedBatch) -> dict:
     """A collected batch as plain JSON data (checkpoints)."""
-    return {"step": b.step, "stats": b.stats, "groups": [{
-        "row": [g.row.prompt, g.row.answer, g.row.task, g.row.source], "uid": g.uid, "prompt_ids": g.prompt_ids,
-        "rewards": g.rewards, "reward_dims": g.reward_dims, "extras": g.extras, "rnd": g.rnd, "index": g.index,
-        "samples": [asdict(s) for s in g.samples]} for g in b.groups]}
+    return {
+        "step": b.step,
+        "stats": b.stats,
+        "groups": [
+            {
+                "row": [g.row.prompt, g.row.answer, g.row.task, g.row.source],
+                "uid": g.uid,
+                "prompt_ids": g.prompt_ids,
+                "rewards": g.rewards,
+                "reward_dims": g.reward_dims,
+                "extras": g.extras,
+                "rnd": g.rnd,
+                "index": g.index,
+                "samples": [asdict(s) for s in g.samples],
+            }
+            for g in b.groups
+        ],
+    }
 
 
 def batch_from_json(d: dict) -> CollectedBatch:
     """The inverse of ``batch_to_json``."""
-    groups = [GroupRecord(PromptRow(*g["row"]), g["uid"], g["prompt_ids"],
-                          [SampleRecord(**{**s, "turn_spans": [tuple(x) for x in s["turn_spans"]]
-                                           if s["turn_spans"] else None}) for s in g["samples"]],
-                          g["rewards"], g["reward_dims"], g["extras"], g["rnd"], g["index"]) for g in d["groups"]]
+    groups = [
+        GroupRecord(
+            PromptRow(*g["row"]),
+            g["uid"],
+            g["prompt_ids"],
+            [
+                SampleRecord(
+                    **{**s, "turn_spans": [tuple(x) for x in s["turn_spans"]] if s["turn_spans"] else None}
+                )
+                for s in g["samples"]
+            ],
+            g["rewards"],
+            g["reward_dims"],
+            g["extras"],
+            g["rnd"],
+            g["index"],
+        )
+        for g in d["groups"]
+    ]
     return CollectedBatch(step=d["step"], groups=groups, stats=d["stats"])
 
 
@@ -102,8 +131,9 @@ class Rollouts:
     versions: list[int] = field(default_factory=list)
 
 
-def rollouts_from_groups(groups: list[GroupRecord], task_id: dict[str, int], reward_names: list[str],
-                         with_versions: bool) -> Rollouts:
+def rollouts_from_groups(
+    groups: list[GroupRecord], task_id: dict[str, int], reward_names: list[str], with_versions: bool
+) -> Rollouts:
     """Flatten ``groups`` (group ids in order); per-sample ``versions`` only when ``with_versions``."""
     ro = Rollouts(reward_dims={k: [] for k in reward_names})
     multi_turn = any(s.turn_spans is not None for g in groups for s in g.samples)
@@ -130,18 +160,24 @@ def rollouts_from_groups(groups: list[GroupRecord], task_id: dict[str, int], rew
     return ro
 
 
-def apply_episode_structure(batch: PackedBatch, response_masks: list[list[float]], turn_spans: list[list]) -> None:
+def apply_episode_structure(
+    batch: PackedBatch, response_masks: list[list[float]], turn_spans: list[list]
+) -> None:
     """Episodes in a batch built by ``from_sequences`` (whose loss mask covers every token after the
     prompt): the loss mask becomes 1 on answer tokens only (``response_masks[i]``: [R_i]) and
     ``batch.turn_spans`` the episodes' turn structure. In place."""
     if len(response_masks) != batch.num_seqs or len(turn_spans) != batch.num_seqs:
-        raise ValueError(f"{batch.num_seqs} sequences but {len(response_masks)} response masks and "
-                         f"{len(turn_spans)} turn-span lists")
+        raise ValueError(
+            f"{batch.num_seqs} sequences but {len(response_masks)} response masks and "
+            f"{len(turn_spans)} turn-span lists"
+        )
     for i, m in enumerate(response_masks):
         start = int(batch.cu_seqlens[i]) + int(batch.prompt_lens[i])
         end = int(batch.cu_seqlens[i + 1])
         if len(m) != end - start:
-            raise ValueError(f"sequence {i}: response mask has {len(m)} entries for {end - start} response tokens")
+            raise ValueError(
+                f"sequence {i}: response mask has {len(m)} entries for {end - start} response tokens"
+            )
         batch.loss_mask[start:end] = torch.tensor(m, dtype=batch.loss_mask.dtype)
     batch.turn_spans = [list(s) for s in turn_spans]
     batch.validate()
@@ -154,14 +190,21 @@ def build_batch(ro: Rollouts, step: int) -> PackedBatch:
     for p, r_lp in zip(ro.prompt_ids, ro.rollout_logprobs):
         lp += [0.0] * len(p) + [min(x, 0.0) for x in r_lp]
     B = len(ro.group_ids)
-    versions = (torch.tensor(ro.versions, dtype=torch.long) if ro.versions
-                else torch.full((B,), step - 1, dtype=torch.long))
-    batch = from_sequences(ro.prompt_ids, ro.response_ids, ro.group_ids,
-                           rewards=torch.tensor(ro.rewards, dtype=torch.float32),
-                           task_ids=torch.tensor(ro.task_ids, dtype=torch.long),
-                           policy_versions=versions,
-                           truncated=torch.tensor(ro.truncated, dtype=torch.bool),
-                           rollout_logprobs=torch.tensor(lp, dtype=torch.float32))
+    versions = (
+        torch.tensor(ro.versions, dtype=torch.long)
+        if ro.versions
+        else torch.full((B,), step - 1, dtype=torch.long)
+    )
+    batch = from_sequences(
+        ro.prompt_ids,
+        ro.response_ids,
+        ro.group_ids,
+        rewards=torch.tensor(ro.rewards, dtype=torch.float32),
+        task_ids=torch.tensor(ro.task_ids, dtype=torch.long),
+        policy_versions=versions,
+        truncated=torch.tensor(ro.truncated, dtype=torch.bool),
+        rollout_logprobs=torch.tensor(lp, dtype=torch.float32),
+    )
     if ro.turn_spans:  # multi-turn episodes: observations out of the loss, the turn structure kept
         apply_episode_structure(batch, ro.response_masks, ro.turn_spans)
     return batch

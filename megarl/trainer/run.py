@@ -24,7 +24,14 @@ from megarl.plugin.context import RunContext
 from megarl.rewards.compute import RewardComputer
 from megarl.rundir import INIT_POLICY
 from megarl.trainer import checkpointing
-from megarl.trainer.config import ConfigError, TrainConfig, check_layout, method_knobs, method_of, save_resolved
+from megarl.trainer.config import (
+    ConfigError,
+    TrainConfig,
+    check_layout,
+    method_knobs,
+    method_of,
+    save_resolved,
+)
 from megarl.trainer.method_runtime import MethodRuntime
 from megarl.trainer.metrics import MetricsWriter
 from megarl.trainer.setup import load_datasets, log, tokenizer_and_hf_config
@@ -57,9 +64,17 @@ class Run:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, self.run_dir)
         p = cfg.parallel
-        self.groups = initialize_parallel(ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp,
-                                                         sequence_parallel=p.sequence_parallel,
-                                                         expert_tp=p.expert_tp), seed=cfg.model.seed)
+        self.groups = initialize_parallel(
+            ParallelLayout(
+                tp=p.tp,
+                pp=p.pp,
+                ep=p.ep,
+                cp=p.cp,
+                sequence_parallel=p.sequence_parallel,
+                expert_tp=p.expert_tp,
+            ),
+            seed=cfg.model.seed,
+        )
         self.rewards = RewardComputer(cfg.reward) if self.rank0 else None
         self.metrics = MetricsWriter.from_config(self.run_dir, cfg) if self.rank0 else None
         self.sampler = PromptSampler(len(self.train_ds), cfg.schedule.seed)
@@ -119,15 +134,30 @@ class Run:
         if not self.rank0:
             return
         best = float(sum(f.weight for f in cfg.reward.functions if f.weight > 0)) or 1.0
-        wctx = WorkflowContext(self.tok, lambda text, answer: float(self.rewards([text], [answer]).scalar[0]), best,
-                               int(self.hf.get("max_position_embeddings", 0)) or None, cfg.environment)
+        wctx = WorkflowContext(
+            self.tok,
+            lambda text, answer: float(self.rewards([text], [answer]).scalar[0]),
+            best,
+            int(self.hf.get("max_position_embeddings", 0)) or None,
+            cfg.environment,
+        )
         version = (lambda: self.producer.version) if wrap_engine is not None else (lambda: 0)
         self.collector = RolloutCollector(
-            engine=engine, tokenizer=self.tok, dataset=self.train_ds, sampler=self.sampler, rewards=self.rewards,
-            workflow=WORKFLOWS.get(cfg.environment.name)(wctx), processors=self.method.round_processors,
-            allocator=allocator_from_config(cfg), sampling=self.sampling_params, n=cfg.rollout.n,
-            weights={f.name: float(f.weight) for f in cfg.reward.functions}, fallback=cfg.reward.fallback,
-            version=version, log=log)
+            engine=engine,
+            tokenizer=self.tok,
+            dataset=self.train_ds,
+            sampler=self.sampler,
+            rewards=self.rewards,
+            workflow=WORKFLOWS.get(cfg.environment.name)(wctx),
+            processors=self.method.round_processors,
+            allocator=allocator_from_config(cfg),
+            sampling=self.sampling_params,
+            n=cfg.rollout.n,
+            weights={f.name: float(f.weight) for f in cfg.reward.functions},
+            fallback=cfg.reward.fallback,
+            version=version,
+            log=log,
+        )
 
     def build_faults(self) -> None:
         """Injections, detectors, the non-finite guard and step dumps (docs/faults.md)."""
@@ -135,22 +165,44 @@ class Run:
         from megarl.rundir import read_metrics
         from megarl.trainer.config import to_dict
 
-        self.faults = FaultMonitor(self.cfg.faults, self.learner, self.groups, self.run_dir, self.hf,
-                                   to_dict(self.cfg), read_metrics(self.run_dir))
+        self.faults = FaultMonitor(
+            self.cfg.faults,
+            self.learner,
+            self.groups,
+            self.run_dir,
+            self.hf,
+            to_dict(self.cfg),
+            read_metrics(self.run_dir),
+        )
 
     # ------------------------------------------------------------------------------ helpers
     def context(self, engine: Any = None) -> RunContext:
         """The ``RunContext`` parts are built with."""
-        return RunContext(cfg=self.cfg, tokenizer=self.tok, hf_config=self.hf, rank0=self.rank0,
-                          init_dir=self.run_dir / INIT_POLICY, make_learner=self._make_loaded_learner,
-                          policy=getattr(self, "learner", None), engine=engine,
-                          score=self.rewards, sampling=self.sampling_params)
+        return RunContext(
+            cfg=self.cfg,
+            tokenizer=self.tok,
+            hf_config=self.hf,
+            rank0=self.rank0,
+            init_dir=self.run_dir / INIT_POLICY,
+            make_learner=self._make_loaded_learner,
+            policy=getattr(self, "learner", None),
+            engine=engine,
+            score=self.rewards,
+            sampling=self.sampling_params,
+        )
 
     def make_learner(self, hf_config: dict, trainable: bool = True, lr: float | None = None):
         """A learner under the run's layout with the run's optimizer and precision settings."""
         c = self.cfg
-        return build_learner(hf_config, self.groups, c.optimizer, c.model.params_dtype, c.model.seed,
-                             trainable=trainable, lr=lr)
+        return build_learner(
+            hf_config,
+            self.groups,
+            c.optimizer,
+            c.model.params_dtype,
+            c.model.seed,
+            trainable=trainable,
+            lr=lr,
+        )
 
     def _make_loaded_learner(self, hf_config: dict, weights_dir: str | Path, trainable: bool = False):
         ln = self.make_learner(hf_config, trainable=trainable)
@@ -166,12 +218,18 @@ class Run:
         if r.engine == "embedded":
             from megarl.rollout.embedded import EmbeddedEngine, hf_model_from_config
 
-            return EmbeddedEngine(hf_model_from_config(self.hf), eos_token_ids=[self.tok.eos_id],
-                                  max_concurrency=r.max_concurrency, weight_version="init")
+            return EmbeddedEngine(
+                hf_model_from_config(self.hf),
+                eos_token_ids=[self.tok.eos_id],
+                max_concurrency=r.max_concurrency,
+                weight_version="init",
+            )
         if r.launch:  # one vLLM server on this node, serving the initial policy (stopped at exit)
             from megarl.trainer.servers import launch_vllm_for_run
 
-            self.server, engine = launch_vllm_for_run(self.cfg, self.run_dir / INIT_POLICY, self.run_dir, self.hf, log)
+            self.server, engine = launch_vllm_for_run(
+                self.cfg, self.run_dir / INIT_POLICY, self.run_dir, self.hf, log
+            )
             return engine
         from megarl.rollout import make_engine
 
@@ -188,7 +246,7 @@ class Run:
             return batch
         gids = torch.unique(batch.group_ids).tolist()
         per = len(gids) // dp
-        mine = set(gids[self.groups.dp_rank * per:(self.groups.dp_rank + 1) * per])
+        mine = set(gids[self.groups.dp_rank * per : (self.groups.dp_rank + 1) * per])
         return batch.select([i for i, g in enumerate(batch.group_ids.tolist()) if g in mine])
 
     def sampling_params(self, step: int, rnd: int, i: int, greedy: bool = False):
@@ -196,6 +254,12 @@ class Run:
         from megarl.rollout.types import SamplingParams
 
         r = self.cfg.rollout
-        seed = (self.cfg.schedule.seed * 1_000_003 + step * 10_007 + rnd * 101 + i) % (2 ** 31)
-        return SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tok.eos_id,), seed=seed)
+        seed = (self.cfg.schedule.seed * 1_000_003 + step * 10_007 + rnd * 101 + i) % (2**31)
+        return SamplingParams(
+            temperature=0.0 if greedy else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=(self.tok.eos_id,),
+            seed=seed,
+        )

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 
-def launch_vllm_for_run(cfg: Any, model_dir: str | Path, run_dir: str | Path, hf_config: dict,
-                        log=print) -> tuple[Any, Any]:
+def launch_vllm_for_run(
+    cfg: Any, model_dir: str | Path, run_dir: str | Path, hf_config: dict, log=print
+) -> tuple[Any, Any]:
     """Start the vLLM server of a run; returns ``(server, engine)``.
 
     ``cfg``: the ``TrainConfig`` (``rollout`` section: ``server_*`` keys); ``model_dir``: the HF
@@ -34,15 +35,24 @@ def launch_vllm_for_run(cfg: Any, model_dir: str | Path, run_dir: str | Path, hf
 
         save_hf_char_tokenizer(CharTokenizer(cfg.model.alphabet), model_dir)
     max_len = int(hf_config.get("max_position_embeddings", 1024))
-    scfg = VLLMServerConfig(model_dir=str(model_dir), python=r.server_python or default_vllm_python(),
-                            served_model_name="policy", dtype=r.server_dtype, max_model_len=max_len,
-                            max_num_seqs=r.server_max_num_seqs, startup_timeout_s=r.server_startup_timeout_s,
-                            work_dir=str(Path(run_dir) / "vllm-server"), extra_args=list(r.server_args))
+    scfg = VLLMServerConfig(
+        model_dir=str(model_dir),
+        python=r.server_python or default_vllm_python(),
+        served_model_name="policy",
+        dtype=r.server_dtype,
+        max_model_len=max_len,
+        max_num_seqs=r.server_max_num_seqs,
+        startup_timeout_s=r.server_startup_timeout_s,
+        work_dir=str(Path(run_dir) / "vllm-server"),
+        extra_args=list(r.server_args),
+    )
     t0 = time.monotonic()
     log(f"megarl train: starting a vLLM server on {model_dir} ({scfg.python})")
     server = launch_vllm(scfg)
-    log(f"megarl train: vLLM server healthy after {time.monotonic() - t0:.1f}s at {server.url} "
-        f"(log {server.log_path})")
+    log(
+        f"megarl train: vLLM server healthy after {time.monotonic() - t0:.1f}s at {server.url} "
+        f"(log {server.log_path})"
+    )
     engine = server.client(max_concurrency=r.max_concurrency)
     return server, engine
 
@@ -61,8 +71,10 @@ def _name_architecture(model_dir: Path) -> None:
 
     arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type", ""))
     if arch is None:
-        raise ValueError(f"{path}: no 'architectures' and no causal-LM class known for model_type "
-                         f"{cfg.get('model_type')!r}")
+        raise ValueError(
+            f"{path}: no 'architectures' and no causal-LM class known for model_type "
+            f"{cfg.get('model_type')!r}"
+        )
     cfg["architectures"] = [arch]
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cfg, indent=1))

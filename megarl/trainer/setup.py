@@ -33,7 +33,7 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` up to the first EOS."""
         if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
+            ids = ids[: ids.index(self.eos_id)]
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
@@ -49,8 +49,10 @@ def tokenizer_and_hf_config(cfg: TrainConfig) -> tuple[Any, dict]:
     if m.tokenizer == "char":
         tok = CharTokenizer(m.alphabet)
         if hf.get("vocab_size", tok.vocab_size) < tok.vocab_size:
-            raise ConfigError(f"model.hf_config.vocab_size={hf['vocab_size']} is smaller than the char "
-                              f"tokenizer's {tok.vocab_size}")
+            raise ConfigError(
+                f"model.hf_config.vocab_size={hf['vocab_size']} is smaller than the char "
+                f"tokenizer's {tok.vocab_size}"
+            )
         hf.setdefault("vocab_size", tok.vocab_size)
         hf.update(eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id)
         return tok, hf
@@ -73,8 +75,9 @@ def load_datasets(cfg: TrainConfig, tok: Any) -> tuple[PromptDataset, PromptData
             try:
                 generate_task_files(train_path=d.train, eval_path=d.eval, **dict(d.generate))
             except (TypeError, ValueError) as e:
-                raise ConfigError(f"data.generate: {e}; allowed keys: task, num_train, num_eval, digits, seed") \
-                    from None
+                raise ConfigError(
+                    f"data.generate: {e}; allowed keys: task, num_train, num_eval, digits, seed"
+                ) from None
     chat = None
     if d.chat_template:
         from megarl.data.chat import chat_renderer
@@ -85,8 +88,17 @@ def load_datasets(cfg: TrainConfig, tok: Any) -> tuple[PromptDataset, PromptData
         return tok.encode(text)  # raises ValueError on an unknown character
 
     def load(path: str) -> PromptDataset:
-        rows, bad = load_jsonl_rows(path, d.prompt_field, d.answer_field, d.task_field, d.prompt_template,
-                                    check, d.on_bad_row, d.max_bad_rows, chat=chat)
+        rows, bad = load_jsonl_rows(
+            path,
+            d.prompt_field,
+            d.answer_field,
+            d.task_field,
+            d.prompt_template,
+            check,
+            d.on_bad_row,
+            d.max_bad_rows,
+            chat=chat,
+        )
         for b in bad[:5]:
             log(f"megarl train: skipped bad row {b}")
         if bad:

@@ -25,16 +25,27 @@ def rollout_metrics(run: Any, ro: Rollouts, rs: dict) -> dict:
             rec[f"reward/{k}/mean"] = float(t.mean())
             rec[f"reward/{k}/std"] = float(t.std()) if t.numel() > 1 else 0.0
         lens = torch.tensor([len(x) for x in ro.response_ids], dtype=torch.float32)
-        rec.update({"rollout/response_len": float(lens.mean()), "rollout/response_len_max": float(lens.max()),
-                    "rollout/truncated_frac": float(torch.tensor(ro.truncated, dtype=torch.float32).mean()),
-                    "rollout/samples": len(ro.rewards)})
+        rec.update(
+            {
+                "rollout/response_len": float(lens.mean()),
+                "rollout/response_len_max": float(lens.max()),
+                "rollout/truncated_frac": float(torch.tensor(ro.truncated, dtype=torch.float32).mean()),
+                "rollout/samples": len(ro.rewards),
+            }
+        )
         rec["rollout/example"] = ro.responses[0]
-    rec.update({"rollout/zero_var_group_frac": rs["groups_zero_var"] / max(rs["groups_seen"], 1),
-                "rollout/groups_seen": rs["groups_seen"], "rollout/sampling_rounds": rs["rounds"],
-                "perf/rollout_tokens_per_s": rs["gen_tokens"] / max(rs["gen_time"], 1e-9),
-                "reward/fn_errors": rs["errors"], "reward/fn_timeouts": rs["timeouts"],
-                "reward/fn_errors_total": run.failures_total["errors"],
-                "reward/fn_timeouts_total": run.failures_total["timeouts"]})
+    rec.update(
+        {
+            "rollout/zero_var_group_frac": rs["groups_zero_var"] / max(rs["groups_seen"], 1),
+            "rollout/groups_seen": rs["groups_seen"],
+            "rollout/sampling_rounds": rs["rounds"],
+            "perf/rollout_tokens_per_s": rs["gen_tokens"] / max(rs["gen_time"], 1e-9),
+            "reward/fn_errors": rs["errors"],
+            "reward/fn_timeouts": rs["timeouts"],
+            "reward/fn_errors_total": run.failures_total["errors"],
+            "reward/fn_timeouts_total": run.failures_total["timeouts"],
+        }
+    )
     rec.update(rs.get("method", {}))
     rec.update(rs.get("async", {}))
     return rec
@@ -44,11 +55,16 @@ def batch_metrics(batch) -> dict:
     """Advantage statistics, the old-vs-rollout logprob gap (a check of the weight sync and of the
     two forwards) and the old-vs-reference KL."""
     adv = batch.advantages[batch.loss_mask.bool()]
-    rec = {"adv/mean": float(adv.mean()), "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
-           "adv/abs_max": float(adv.abs().max())}
+    rec = {
+        "adv/mean": float(adv.mean()),
+        "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+        "adv/abs_max": float(adv.abs().max()),
+    }
     m = batch.loss_mask.bool()
     if batch.old_logprobs is not None:
-        rec["rollout/logprob_gap_old"] = float((batch.old_logprobs[m] - batch.rollout_logprobs[m]).abs().mean())
+        rec["rollout/logprob_gap_old"] = float(
+            (batch.old_logprobs[m] - batch.rollout_logprobs[m]).abs().mean()
+        )
     if batch.ref_logprobs is not None and batch.old_logprobs is not None:
         rec["rollout/kl_old_ref"] = float((batch.old_logprobs[m] - batch.ref_logprobs[m]).mean())
     return rec
@@ -66,7 +82,16 @@ def print_summary(run: Any) -> None:
     first = next((r for r in recs if "eval/pass@1" in r), None)
     last = next((r for r in reversed(recs) if "eval/pass@1" in r), None)
     if first is not None and last is not None and first is not last:
-        for k in [k for k in first if k.startswith("eval/") and isinstance(first[k], float)
-                  and k != "eval/reward_greedy" and k in last]:
-            log(f"held-out {k[5:]}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} (step {last['step']})")
+        for k in [
+            k
+            for k in first
+            if k.startswith("eval/")
+            and isinstance(first[k], float)
+            and k != "eval/reward_greedy"
+            and k in last
+        ]:
+            log(
+                f"held-out {k[5:]}: {first[k]:.3f} (step {first['step']}) -> {last[k]:.3f} "
+                f"(step {last['step']})"
+            )
     log(f"metrics: {run.run_dir / 'metrics.jsonl'}")

@@ -22,12 +22,15 @@ class SFTObjective:
     def __call__(self, logits, batch: PackedBatch, ctx: LossContext) -> LossOutput:
         from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 
-        logp, ent = vocab_parallel_logprobs_entropy(logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens,
-                                                    with_entropy=True)
+        logp, ent = vocab_parallel_logprobs_entropy(
+            logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens, with_entropy=True
+        )
         mask = batch.loss_mask.to(logp.dtype)
         n = max(ctx.normalisers.num_tokens, 1.0)
         loss = -(logp * mask).sum() / n
-        return LossOutput(loss=loss, metrics={"nll": loss.detach(), "entropy": ((ent.detach() * mask).sum() / n)})
+        return LossOutput(
+            loss=loss, metrics={"nll": loss.detach(), "entropy": ((ent.detach() * mask).sum() / n)}
+        )
 
 
 def sft_batch(tok: Any, rows: list[PromptRow]) -> PackedBatch:

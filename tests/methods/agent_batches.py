@@ -10,8 +10,14 @@ from megarl.batch import PackedBatch
 
 
 @st.composite
-def agent_batches(draw, max_groups: int = 3, max_group_size: int = 4, max_steps: int = 3, n_states: int = 3,
-                  with_step_rewards=None):
+def agent_batches(
+    draw,
+    max_groups: int = 3,
+    max_group_size: int = 4,
+    max_steps: int = 3,
+    n_states: int = 3,
+    with_step_rewards=None,
+):
     sizes = draw(st.lists(st.integers(1, max_group_size), min_size=1, max_size=max_groups))
     gids = [g for g, n in enumerate(sizes) for _ in range(n)]
     step_rewards_given = draw(st.booleans()) if with_step_rewards is None else with_step_rewards
@@ -42,8 +48,8 @@ def agent_batches(draw, max_groups: int = 3, max_group_size: int = 4, max_steps:
     key_t = torch.full((B, S), -1, dtype=torch.long)
     rew_t = torch.zeros(B, S, dtype=torch.float64)
     for i in range(B):
-        key_t[i, :len(keys[i])] = torch.tensor(keys[i])
-        rew_t[i, :len(srew[i])] = torch.tensor(srew[i], dtype=torch.float64)
+        key_t[i, : len(keys[i])] = torch.tensor(keys[i])
+        rew_t[i, : len(srew[i])] = torch.tensor(srew[i], dtype=torch.float64)
     cu = torch.zeros(B + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
     outcome = [float(draw(st.sampled_from([0.0, 1.0]))) for _ in gids]
@@ -54,8 +60,15 @@ def agent_batches(draw, max_groups: int = 3, max_group_size: int = 4, max_steps:
         rewards = torch.tensor(outcome, dtype=torch.float64)
         srew = [[0.0] * (len(k) - 1) + [outcome[i]] for i, k in enumerate(keys)]
         extras = {"step_state_keys": key_t}
-    b = PackedBatch(tokens=torch.tensor(toks), cu_seqlens=cu, prompt_lens=torch.tensor(plens),
-                    loss_mask=torch.tensor(mask, dtype=torch.float64), group_ids=torch.tensor(gids),
-                    rewards=rewards, turn_spans=spans, extras=extras).validate()
+    b = PackedBatch(
+        tokens=torch.tensor(toks),
+        cu_seqlens=cu,
+        prompt_lens=torch.tensor(plens),
+        loss_mask=torch.tensor(mask, dtype=torch.float64),
+        group_ids=torch.tensor(gids),
+        rewards=rewards,
+        turn_spans=spans,
+        extras=extras,
+    ).validate()
     step_spans = [[(s, e) for s, e, r in sp if r == "assistant"] for sp in spans]
     return b, keys, srew, step_spans

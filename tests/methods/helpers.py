@@ -20,8 +20,9 @@ def load_example(name: str) -> dict:
     """Load examples/methods/NAME.yaml and check every section: the estimator and its knobs (as the
     trainer does), the objective (built), and the reward-shaping section (built)."""
     cfg = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
-    assert set(cfg) <= {"advantage", "objective", "reward", "inputs", "environment", "method"}, \
+    assert set(cfg) <= {"advantage", "objective", "reward", "inputs", "environment", "method"}, (
         f"{name}.yaml: unexpected sections {sorted(cfg)}"
+    )
     adv = dict(cfg["advantage"])
     est = adv.pop("estimator")
     fn = ADVANTAGE_ESTIMATORS.get(est)
@@ -33,16 +34,19 @@ def load_example(name: str) -> dict:
     build_objective(cfg["objective"])
     if "reward" in cfg:
         from megarl.rewards.shaping import build_reward_shaping
+
         build_reward_shaping(cfg["reward"])
     return cfg
 
 
-def assert_objective_equivalent(case: Case, tp: int, micro_batches: int = 2, objective=None,
-                                reference=reference_loss_and_grad) -> None:
+def assert_objective_equivalent(
+    case: Case, tp: int, micro_batches: int = 2, objective=None, reference=reference_loss_and_grad
+) -> None:
     """megarl (packed, TP-sharded, micro-batched) loss and logits gradient equal the reference's."""
     ref_loss, ref_grad = reference(case)
-    loss, grad = megarl_loss_and_grad(case, tp=tp, micro_batches=min(micro_batches, case.batch.num_seqs),
-                                      objective=objective)
+    loss, grad = megarl_loss_and_grad(
+        case, tp=tp, micro_batches=min(micro_batches, case.batch.num_seqs), objective=objective
+    )
     torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_loss.abs())))
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_grad.abs().max())))
 
@@ -50,4 +54,5 @@ def assert_objective_equivalent(case: Case, tp: int, micro_batches: int = 2, obj
 def example_objective(name: str):
     """The ObjectiveConfig of examples/methods/NAME.yaml."""
     from megarl.objectives.rl_objective import ObjectiveConfig
+
     return ObjectiveConfig(**load_example(name)["objective"])

@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.types import EngineDeadError, GenerateResult, Sample
 from megarl.rollout.testing_models import find_tiny_qwen3_fixture
+from megarl.rollout.types import EngineDeadError, GenerateResult, Sample
 
 
 class TinyTokenizer:
@@ -23,6 +23,7 @@ class TinyTokenizer:
 
     def __init__(self):
         from tokenizers import Tokenizer
+
         self._tok = Tokenizer.from_file(str(find_tiny_qwen3_fixture() / "tokenizer.json"))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -57,8 +58,12 @@ class ScriptedJudgeEngine(RolloutEngine):
         if isinstance(out, Exception):
             raise out
         ids = list(self.tok.encode(out, add_special_tokens=False))
-        return GenerateResult(prompt_ids=list(req.prompt_ids), engine=self.name, request_id=req.request_id,
-                              samples=[Sample(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")])
+        return GenerateResult(
+            prompt_ids=list(req.prompt_ids),
+            engine=self.name,
+            request_id=req.request_id,
+            samples=[Sample(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")],
+        )
 
     async def update_weights(self, weights_dir, version=None) -> None:
         raise EngineDeadError("scripted judge has no weights")
@@ -70,5 +75,6 @@ class ScriptedJudgeEngine(RolloutEngine):
 def tiny_embedded_judge(tmp_path):
     from megarl.rollout.embedded import EmbeddedEngine
     from megarl.rollout.testing_models import build_tiny_qwen3
+
     path = build_tiny_qwen3(tmp_path / "judge", seed=0, dtype="float32")
     return EmbeddedEngine.from_pretrained(path)

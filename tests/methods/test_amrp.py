@@ -27,8 +27,14 @@ def reward_streams(draw, K=None):
     return [torch.rand(B, K, generator=g, dtype=torch.float64) for _ in range(steps)]
 
 
-KNOBS = st.fixed_dictionaries({"eta": st.sampled_from([0.0, 0.1, 0.5]), "window": st.sampled_from([1, 3, 10]),
-                               "normalise": st.sampled_from(["minmax", "z"]), "beta": st.sampled_from([0.0, 0.9])})
+KNOBS = st.fixed_dictionaries(
+    {
+        "eta": st.sampled_from([0.0, 0.1, 0.5]),
+        "window": st.sampled_from([1, 3, 10]),
+        "normalise": st.sampled_from(["minmax", "z"]),
+        "beta": st.sampled_from([0.0, 0.9]),
+    }
+)
 
 
 @settings(max_examples=20)

@@ -28,8 +28,14 @@ def test_reward_matches_reference_and_is_in_unit_interval(B, K, seed):
 
 
 @settings(max_examples=50)
-@given(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), st.lists(st.sampled_from([0.0, 0.1, 0.2, 0.5]), max_size=8),
-       st.integers(1, 5), st.integers(0, 1))
+@given(
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.lists(st.sampled_from([0.0, 0.1, 0.2, 0.5]), max_size=8),
+    st.integers(1, 5),
+    st.integers(0, 1),
+)
 def test_trigger_and_prune_match_reference(rb, ra, p, variances, k_max, protected):
     assert trigger(rb, ra, p) == rr.care_trigger(rb, ra, p)
     protected = min(protected, len(variances))
@@ -38,8 +44,14 @@ def test_trigger_and_prune_match_reference(rb, ra, p, variances, k_max, protecte
     assert len(kept) <= max(k_max, protected)
 
 
-def _setup(reply_pref="winner: A", evolver_reply="criterion: cites the primary source", anchor_score=0.9,
-           best_score=0.2, k_max=3, evolve=True):
+def _setup(
+    reply_pref="winner: A",
+    evolver_reply="criterion: cites the primary source",
+    anchor_score=0.9,
+    best_score=0.2,
+    k_max=3,
+    evolve=True,
+):
     tok = tiny_tokenizer()
 
     def reply(prompt):
@@ -48,7 +60,11 @@ def _setup(reply_pref="winner: A", evolver_reply="criterion: cites the primary s
         if "Write ONE" in prompt:
             return evolver_reply
         if "Criterion:" in prompt:
-            return f"score: {anchor_score}" if "ANCHOR" in prompt.split("Response:")[1] else f"score: {best_score}"
+            return (
+                f"score: {anchor_score}"
+                if "ANCHOR" in prompt.split("Response:")[1]
+                else f"score: {best_score}"
+            )
         return "??"
 
     engine = ScriptedJudgeEngine(tok, reply)
@@ -87,7 +103,7 @@ def test_chase_rejection_malformed_evolver_and_evolution_off():
 
 def test_rubric_never_exceeds_k_max_and_state_round_trips():
     care, judge, _ = _setup(k_max=3)
-    for step in range(5):
+    for _step in range(5):
         rub = care.rubrics[7]
         K = len(rub.criteria)
         scores = torch.rand(4, K, dtype=torch.float64)

@@ -14,8 +14,11 @@ from megarl.rollout.types import EngineDeadError
 from tests.methods.helpers import load_example
 from tests.methods.judge_engines import ScriptedJudgeEngine, tiny_embedded_judge, tiny_tokenizer
 
-ROWS = st.lists(st.tuples(st.integers(0, 1), st.lists(st.integers(0, 1), max_size=4), st.floats(-0.5, 1.5)),
-                min_size=1, max_size=6)
+ROWS = st.lists(
+    st.tuples(st.integers(0, 1), st.lists(st.integers(0, 1), max_size=4), st.floats(-0.5, 1.5)),
+    min_size=1,
+    max_size=6,
+)
 
 
 def _tensors(rows):
@@ -23,22 +26,34 @@ def _tensors(rows):
     cov = torch.zeros(len(rows), M, dtype=torch.float64)
     valid = torch.zeros(len(rows), M, dtype=torch.bool)
     for i, (_, c, _) in enumerate(rows):
-        cov[i, :len(c)] = torch.tensor(c, dtype=torch.float64)
-        valid[i, :len(c)] = True
-    return (torch.tensor([a for a, _, _ in rows], dtype=torch.float64), cov, valid,
-            torch.tensor([d for _, _, d in rows], dtype=torch.float64))
+        cov[i, : len(c)] = torch.tensor(c, dtype=torch.float64)
+        valid[i, : len(c)] = True
+    return (
+        torch.tensor([a for a, _, _ in rows], dtype=torch.float64),
+        cov,
+        valid,
+        torch.tensor([d for _, _, d in rows], dtype=torch.float64),
+    )
 
 
 @settings(max_examples=30)
-@given(ROWS, st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from([0.0, 0.3]),
-       st.sampled_from(["none", "correct_only", "reduced"]))
+@given(
+    ROWS,
+    st.sampled_from([0.0, 0.5, 1.0]),
+    st.sampled_from([0.0, 0.3]),
+    st.sampled_from(["none", "correct_only", "reduced"]),
+)
 def test_matches_reference_and_is_bounded(rows, lc, ld, gate):
     a, cov, valid, d = _tensors(rows)
     R = CEDARReward(lc, ld, gate, 0.5)(a, cov, valid, d)
-    ref = rr.cedar_reward([x for x, _, _ in rows], [c for _, c, _ in rows], [x for _, _, x in rows], lc, ld, gate, 0.5)
+    ref = rr.cedar_reward(
+        [x for x, _, _ in rows], [c for _, c, _ in rows], [x for _, _, x in rows], lc, ld, gate, 0.5
+    )
     torch.testing.assert_close(R, ref)
     assert bool(((R >= 0) & (R <= 1 + lc + ld + 1e-12)).all())
-    assert torch.equal(CEDARReward(0.0, 0.0, gate)(a, cov, valid, d), a)  # λ = 0: correctness-only GRPO reward
+    assert torch.equal(
+        CEDARReward(0.0, 0.0, gate)(a, cov, valid, d), a
+    )  # λ = 0: correctness-only GRPO reward
 
 
 def test_coverage_is_monotone_in_cited_evidence():
@@ -47,7 +62,9 @@ def test_coverage_is_monotone_in_cited_evidence():
     for k in range(4):
         y = "Explanation: " + "; ".join(ev[:k])
         cov = torch.tensor([substring_coverage(y, ev)], dtype=torch.float64)
-        rewards.append(float(CEDARReward()(torch.ones(1), cov, torch.ones(1, 3, dtype=torch.bool), torch.zeros(1))))
+        rewards.append(
+            float(CEDARReward()(torch.ones(1), cov, torch.ones(1, 3, dtype=torch.bool), torch.zeros(1)))
+        )
     assert rewards == sorted(rewards) and rewards[0] < rewards[-1]
 
 
@@ -78,6 +95,7 @@ def test_judge_plumbing_through_an_engine_with_containment():
     responses = ["alpha explanation", "beta slow", "gamma Dead"]
     evidence = [["alpha", "omega"], ["beta"], []]
     import asyncio
+
     cov, valid, d = asyncio.run(cedar.judge_inputs(judge, responses, evidence))
     assert cov[0].tolist() == [1.0, 0.0]  # judged
     assert cov[1, 0] == 1.0  # malformed coverage reply: substring fallback
@@ -92,8 +110,11 @@ def test_real_tiny_model_judge_output_is_contained(tmp_path):
     engine = tiny_embedded_judge(tmp_path)
     judge = LLMJudge(engine, engine.tokenizer, timeout_s=60.0)
     from megarl.rollout.types import SamplingParams
+
     judge.sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
-    res = judge.ask_many_sync(["Rate this: score?", "Is 2+2=4? Answer score:"], lambda t: parse_score(t, 0.0, 1.0))
+    res = judge.ask_many_sync(
+        ["Rate this: score?", "Is 2+2=4? Answer score:"], lambda t: parse_score(t, 0.0, 1.0)
+    )
     for r in res:  # random weights: either a contained failure or a parsed score in range
         assert (r.error is not None and r.value is None) or 0.0 <= r.value <= 1.0
     assert judge.stats.calls == 2

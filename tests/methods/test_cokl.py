@@ -25,17 +25,31 @@ from tests.methods.trust_regions_harness import (
 )
 from tests.property.strategies import rl_cases
 
-KNOBS = st.fixed_dictionaries({"temperature": st.sampled_from([1.0, 0.5]),
-                               "length_normalise": st.booleans(), "dedup": st.booleans()})
-CFGS = st.builds(lambda agg, knobs: ObjectiveConfig(policy_loss="ppo", aggregation=agg,
-                                                    regularisers=[{"name": "cokl", "coef": 0.5, **knobs}]),
-                 st.sampled_from(["token-mean", "seq-mean-token-mean"]), KNOBS)
+KNOBS = st.fixed_dictionaries(
+    {"temperature": st.sampled_from([1.0, 0.5]), "length_normalise": st.booleans(), "dedup": st.booleans()}
+)
+CFGS = st.builds(
+    lambda agg, knobs: ObjectiveConfig(
+        policy_loss="ppo", aggregation=agg, regularisers=[{"name": "cokl", "coef": 0.5, **knobs}]
+    ),
+    st.sampled_from(["token-mean", "seq-mean-token-mean"]),
+    KNOBS,
+)
 
 
 def _ref_cokl(logp, pad, knobs, correct):
     lengths = pad.attention_mask.sum(-1)
-    return ref.cokl(logp, pad.per_token["ref_logprobs"], pad.loss_mask, pad.tokens, pad.per_seq["prompt_lens"],
-                    lengths, pad.per_seq["group_ids"], correct, **knobs)
+    return ref.cokl(
+        logp,
+        pad.per_token["ref_logprobs"],
+        pad.loss_mask,
+        pad.tokens,
+        pad.per_seq["prompt_lens"],
+        lengths,
+        pad.per_seq["group_ids"],
+        correct,
+        **knobs,
+    )
 
 
 def _reference(case, correct):
@@ -44,7 +58,10 @@ def _reference(case, correct):
 
     def fn(full, pad):
         logp, old, adv, _ = padded_inputs(full, pad)
-        return aggregate(ppo_clip(logp, old, adv), pad, cfg.aggregation) + 0.5 * _ref_cokl(logp, pad, knobs, correct)
+        return aggregate(ppo_clip(logp, old, adv), pad, cfg.aggregation) + 0.5 * _ref_cokl(
+            logp, pad, knobs, correct
+        )
+
     return reference_method_loss_and_grad(case, fn)
 
 
@@ -63,8 +80,13 @@ def _set_up(case, data, dp, on_policy=True):
 
 
 @settings(max_examples=12)
-@given(case=rl_cases(torch.float64, cfgs=CFGS, min_group_size=2), tp=st.sampled_from([1, 2]),
-       dp=st.sampled_from([1, 2]), mb=st.integers(1, 3), data=st.data())
+@given(
+    case=rl_cases(torch.float64, cfgs=CFGS, min_group_size=2),
+    tp=st.sampled_from([1, 2]),
+    dp=st.sampled_from([1, 2]),
+    mb=st.integers(1, 3),
+    data=st.data(),
+)
 def test_matches_reference_on_policy(case, tp, dp, mb, data):
     correct = _set_up(case, data, dp)
     assert_equivalent(megarl_method_loss_and_grad(case, tp, dp, mb), _reference(case, correct), case.logits)
@@ -84,14 +106,19 @@ def test_is_the_first_order_expansion_at_the_old_logprobs(case, data):
         l0 = _ref_cokl(old, pad, knobs, correct)
         g = torch.autograd.grad(l0, old)[0] if l0.requires_grad else torch.zeros_like(old)
         return 0.5 * (l0.detach() + (g * pad.loss_mask * (logp - old.detach())).sum())
-    assert_equivalent(megarl_method_loss_and_grad(case, tp=2, micro_batches=2),
-                      reference_method_loss_and_grad(case, fn), case.logits)
+
+    assert_equivalent(
+        megarl_method_loss_and_grad(case, tp=2, micro_batches=2),
+        reference_method_loss_and_grad(case, fn),
+        case.logits,
+    )
 
 
 def _rand_group(correct, lens=(2, 3, 1, 2), V=9, seed=0):
     g = torch.Generator().manual_seed(seed)
-    b = from_sequences([[1]] * len(lens), [torch.randint(0, V, (n,), generator=g).tolist() for n in lens],
-                       [0] * len(lens))
+    b = from_sequences(
+        [[1]] * len(lens), [torch.randint(0, V, (n,), generator=g).tolist() for n in lens], [0] * len(lens)
+    )
     b.extras = {"correct": torch.tensor(correct)}
     T = b.num_tokens
     b.old_logprobs = -torch.rand(T, generator=g, dtype=torch.float64) * 3
@@ -103,7 +130,9 @@ def _rand_group(correct, lens=(2, 3, 1, 2), V=9, seed=0):
 def _seq_shift(b, shift_per_seq):
     """Add c_i/n_i to every loss token of sequence i, so s_i moves by c_i."""
     n = unpack(b).loss_mask.sum(-1)
-    per_tok = torch.repeat_interleave(torch.tensor(shift_per_seq, dtype=torch.float64) / n.clamp(min=1), b.seq_lens)
+    per_tok = torch.repeat_interleave(
+        torch.tensor(shift_per_seq, dtype=torch.float64) / n.clamp(min=1), b.seq_lens
+    )
     return per_tok * b.loss_mask
 
 
@@ -119,8 +148,12 @@ def test_invariant_to_shifting_correct_logprobs_by_a_constant(c, seed, ln):
     for k in ("cokl_value", "cokl_grad_weight"):
         torch.testing.assert_close(moved.extras[k], base.extras[k], rtol=1e-10, atol=1e-12)
     n = unpack(b).loss_mask.sum(-1) if ln else 1.0  # weights are per token: ∂L/∂s_i = w_i·n_i when normalised
-    torch.testing.assert_close((base.extras["cokl_grad_weight"] * n).sum(), torch.tensor(0.0, dtype=torch.float64),
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        (base.extras["cokl_grad_weight"] * n).sum(),
+        torch.tensor(0.0, dtype=torch.float64),
+        atol=1e-12,
+        rtol=0,
+    )
 
 
 def _objective_grad(b, coef=1.0):
@@ -193,9 +226,16 @@ def test_bandit_keeps_reference_proportions_while_correct_mass_goes_to_one():
         return (rc.exp() * (rc - qc)).sum()
 
     def reference_cokl(logp):
-        return ref.cokl(logp[:2, None], torch.log(ref_p)[:2, None], torch.ones(2, 1), torch.tensor([[0], [1]]),
-                        torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long), torch.zeros(2),
-                        torch.ones(2, dtype=torch.bool))
+        return ref.cokl(
+            logp[:2, None],
+            torch.log(ref_p)[:2, None],
+            torch.ones(2, 1),
+            torch.tensor([[0], [1]]),
+            torch.zeros(2, dtype=torch.long),
+            torch.ones(2, dtype=torch.long),
+            torch.zeros(2),
+            torch.ones(2, dtype=torch.bool),
+        )
 
     probe = torch.log_softmax(torch.tensor([0.4, -1.0, 0.2], dtype=torch.float64), 0)
     torch.testing.assert_close(reference_cokl(probe), population_cokl(probe))
@@ -212,3 +252,23 @@ def test_bandit_keeps_reference_proportions_while_correct_mass_goes_to_one():
     assert float(p[:2].sum()) > 0.99
     kl_opt = ref_p * torch.exp(torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64) / beta)
     assert float((kl_opt / kl_opt.sum())[:2].sum()) < 0.9  # full-policy KL keeps a correctness gap
+
+
+def test_data_parallel_shares_prepare_the_whole_batch_weights():
+    """The active-group count is global: two DP ranks holding one active group each divide by 2,
+    as the whole batch on one rank does (a per-rank count would divide by 1)."""
+    from megarl.testing.simulated_group import SimulatedWorld
+
+    g = torch.Generator().manual_seed(3)
+    lens = [2, 3, 1, 2, 3, 2, 2, 1]
+    b = from_sequences(
+        [[1]] * 8, [torch.randint(0, 9, (n,), generator=g).tolist() for n in lens], [0, 0, 0, 0, 1, 1, 1, 1]
+    )
+    b.extras = {"correct": torch.tensor([True, True, False, True, True, False, True, True])}
+    b.old_logprobs = -torch.rand(b.num_tokens, generator=g, dtype=torch.float64) * 3
+    b.ref_logprobs = -torch.rand(b.num_tokens, generator=g, dtype=torch.float64) * 3
+    whole = prepare(b, None).extras
+    shards = SimulatedWorld(2).run(lambda r, grp: prepare(b.select(range(4 * r, 4 * r + 4)), grp).extras)
+    for k in ("cokl_value", "cokl_grad_weight"):
+        assert whole[k].abs().sum() > 0
+        torch.testing.assert_close(torch.cat([s[k] for s in shards]), whole[k], rtol=1e-12, atol=1e-14)

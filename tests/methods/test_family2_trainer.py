@@ -11,8 +11,21 @@ from megarl.trainer.config import from_dict
 
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
-FAMILY2 = ["softmax-grpo", "taco", "gepo", "dash", "gigpo", "pgpo", "rspo", "reward-floor", "amrp",
-           "rubric-dropout", "cedar-grpo", "care", "rrpo"]
+FAMILY2 = [
+    "softmax-grpo",
+    "taco",
+    "gepo",
+    "dash",
+    "gigpo",
+    "pgpo",
+    "rspo",
+    "reward-floor",
+    "amrp",
+    "rubric-dropout",
+    "cedar-grpo",
+    "care",
+    "rrpo",
+]
 
 
 def spliced(name: str) -> dict:
@@ -31,5 +44,9 @@ def spliced(name: str) -> dict:
 @pytest.mark.parametrize("name", FAMILY2)
 def test_trainer_config_loader_accepts_the_example(name):
     cfg = from_dict(spliced(name))
-    assert cfg.advantage.estimator == yaml.safe_load((ROOT / "examples" / "methods" / f"{name}.yaml").read_text()
-                                                     )["advantage"]["estimator"]
+    assert (
+        cfg.advantage.estimator
+        == yaml.safe_load((ROOT / "examples" / "methods" / f"{name}.yaml").read_text())["advantage"][
+            "estimator"
+        ]
+    )

@@ -24,19 +24,32 @@ from tests.methods.trust_regions_harness import (
 )
 from tests.property.strategies import rl_cases
 
-PPO_ARGS = st.fixed_dictionaries({"kappa": st.sampled_from([0.0, 1.0, 2.0]), "adapt_low": st.booleans(),
-                                  "surrogate": st.just("ppo")})
-GSPO_ARGS = st.fixed_dictionaries({"kappa": st.sampled_from([0.0, 1.0]), "adapt_low": st.booleans(),
-                                   "surrogate": st.just("gspo"), "eps_min": st.just(1e-4), "eps_max": st.just(2e-3)})
+PPO_ARGS = st.fixed_dictionaries(
+    {"kappa": st.sampled_from([0.0, 1.0, 2.0]), "adapt_low": st.booleans(), "surrogate": st.just("ppo")}
+)
+GSPO_ARGS = st.fixed_dictionaries(
+    {
+        "kappa": st.sampled_from([0.0, 1.0]),
+        "adapt_low": st.booleans(),
+        "surrogate": st.just("gspo"),
+        "eps_min": st.just(1e-4),
+        "eps_max": st.just(2e-3),
+    }
+)
 
 
 @st.composite
 def gapo_cfgs(draw):
     args = draw(PPO_ARGS | GSPO_ARGS)
     gspo = args["surrogate"] == "gspo"
-    return ObjectiveConfig(policy_loss="gapo", policy_loss_args=args, clip_low=3e-4 if gspo else 0.2,
-                           clip_high=4e-4 if gspo else 0.28, dual_clip=None if gspo else draw(st.sampled_from([None, 3.0])),
-                           aggregation=draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "token-sum"])))
+    return ObjectiveConfig(
+        policy_loss="gapo",
+        policy_loss_args=args,
+        clip_low=3e-4 if gspo else 0.2,
+        clip_high=4e-4 if gspo else 0.28,
+        dual_clip=None if gspo else draw(st.sampled_from([None, 3.0])),
+        aggregation=draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "token-sum"])),
+    )
 
 
 def _reference(case):
@@ -44,14 +57,31 @@ def _reference(case):
 
     def fn(full, pad):
         logp, old, adv, mask = padded_inputs(full, pad)
-        return aggregate(ref.gapo(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, dual_clip=cfg.dual_clip,
-                                  **cfg.policy_loss_args), pad, cfg.aggregation)
+        return aggregate(
+            ref.gapo(
+                logp,
+                old,
+                adv,
+                mask,
+                cfg.clip_low,
+                cfg.clip_high,
+                dual_clip=cfg.dual_clip,
+                **cfg.policy_loss_args,
+            ),
+            pad,
+            cfg.aggregation,
+        )
+
     return reference_method_loss_and_grad(case, fn)
 
 
 @settings(max_examples=12)
-@given(case=rl_cases(torch.float64, cfgs=gapo_cfgs()), tp=st.sampled_from([1, 2]), dp=st.sampled_from([1, 2]),
-       mb=st.integers(1, 3))
+@given(
+    case=rl_cases(torch.float64, cfgs=gapo_cfgs()),
+    tp=st.sampled_from([1, 2]),
+    dp=st.sampled_from([1, 2]),
+    mb=st.integers(1, 3),
+)
 def test_matches_reference(case, tp, dp, mb):
     assert_equivalent(megarl_method_loss_and_grad(case, tp, dp, mb), _reference(case), case.logits)
 
@@ -84,8 +114,9 @@ def test_bounds_monotone_in_advantage_magnitude_and_within_limits(adv, kappa):
     order = torch.argsort(mag)
     assert torch.all(hi[order][1:] >= hi[order][:-1])
     assert torch.all((hi >= 0.1) & (hi <= 1.0))
-    _, hi_r = ref.gapo_clip_bounds(torch.tensor(adv, dtype=torch.float64)[:, None], torch.ones(len(adv), 1),
-                                      kappa=kappa)
+    _, hi_r = ref.gapo_clip_bounds(
+        torch.tensor(adv, dtype=torch.float64)[:, None], torch.ones(len(adv), 1), kappa=kappa
+    )
     torch.testing.assert_close(hi, hi_r)
 
 
@@ -105,9 +136,18 @@ def _tokens_grad(surrogate, lr, adv, seqs):
     b.advantages = adv
     b = prepare(b, None)
     x = lr.clone().requires_grad_(True)
-    loss = gapo_loss(x, torch.zeros(T, dtype=torch.float64), adv, b.loss_mask.double(), b.cu_seqlens,
-                     batch=b, surrogate=surrogate, eps_min=1e-4 if surrogate == "gspo" else 0.1,
-                     clip_low=3e-4 if surrogate == "gspo" else 0.2, clip_high=4e-4 if surrogate == "gspo" else 0.28)
+    loss = gapo_loss(
+        x,
+        torch.zeros(T, dtype=torch.float64),
+        adv,
+        b.loss_mask.double(),
+        b.cu_seqlens,
+        batch=b,
+        surrogate=surrogate,
+        eps_min=1e-4 if surrogate == "gspo" else 0.1,
+        clip_low=3e-4 if surrogate == "gspo" else 0.2,
+        clip_high=4e-4 if surrogate == "gspo" else 0.28,
+    )
     (loss * b.loss_mask).sum().backward()
     return x.grad, b
 

@@ -18,7 +18,9 @@ from reference.logprobs import entropy as ref_entropy
 from tests.methods.helpers import load_example
 from tests.property.test_advantages import reward_batches
 
-HISTORIES = st.one_of(st.none(), st.tuples(st.floats(0, 3), st.floats(0, 1)).map(lambda t: (t[0], t[0] ** 2 + t[1])))
+HISTORIES = st.one_of(
+    st.none(), st.tuples(st.floats(0, 3), st.floats(0, 1)).map(lambda t: (t[0], t[0] ** 2 + t[1]))
+)
 
 
 def _reference(b, hist, k, beta):
@@ -43,8 +45,9 @@ def test_matches_reference_with_history_update(b, hist, k, beta):
 def test_entropy_from_vocab_parallel_logits_tp1_tp2(b, V, scale):
     logits = torch.randn(b.num_tokens, V, dtype=torch.float64) * scale
     for tp in (1, 2):
-        ents = SimulatedWorld(tp).run(lambda r, g: vocab_parallel_entropy(logits.chunk(tp, -1)[r],
-                                                                          g if tp > 1 else None, 3))
+        ents = SimulatedWorld(tp).run(
+            lambda r, g: vocab_parallel_entropy(logits.chunk(tp, -1)[r], g if tp > 1 else None, 3)  # noqa: B023 (run at once)
+        )
         b.entropies = ents[0]
         adv = ADVANTAGE_ESTIMATORS.get("gepo")(b, state=GEPOHistory(1.0, 1.5))
         b.entropies = ref_entropy(logits)
@@ -61,7 +64,7 @@ def test_signs_kept_magnitude_never_grows_and_in_band_is_grpo(b, hist):
     adv = gepo(b.rewards, b.group_ids, h, state)
     base = grpo(b.rewards, b.group_ids)
     assert bool((adv * base >= 0).all()) and bool((adv.abs() <= base.abs() + 1e-12).all())
-    wide = gepo(b.rewards, b.group_ids, h, GEPOHistory(1.5, 1.5 ** 2 + 1e6))  # σ huge: every group in band
+    wide = gepo(b.rewards, b.group_ids, h, GEPOHistory(1.5, 1.5**2 + 1e6))  # σ huge: every group in band
     assert torch.equal(wide, base)
 
 
@@ -69,7 +72,7 @@ def test_attenuation_is_monotone_in_distance_from_the_threshold():
     gids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     r = torch.tensor([1.0, 0, 1, 0, 1, 0, 1, 0], dtype=torch.float64)
     h = torch.tensor([0.5, 0.5, 0.3, 0.3, 2.5, 2.5, 2.8, 2.8], dtype=torch.float64)
-    adv = gepo(r, gids, h, GEPOHistory(1.5, 1.5 ** 2 + 0.25))  # μ=1.5, σ=0.5: band [1.25, 1.75]
+    adv = gepo(r, gids, h, GEPOHistory(1.5, 1.5**2 + 0.25))  # μ=1.5, σ=0.5: band [1.25, 1.75]
     base = grpo(r, gids)
     assert adv[0] < base[0] and adv[2] < adv[0]  # low entropy: positive advantages shrink more further out
     assert adv[1] == base[1] and adv[3] == base[3]  # negative ones untouched
@@ -82,7 +85,7 @@ def test_thresholds_use_history_before_the_current_batch():
     r = torch.tensor([1.0, 0, 1, 0], dtype=torch.float64)
     h1 = torch.tensor([0.2, 0.2, 1.5, 1.5], dtype=torch.float64)
     h2 = torch.tensor([0.2, 0.2, 9.0, 9.0], dtype=torch.float64)  # group 1 changes, group 0 does not
-    s = GEPOHistory(1.5, 1.5 ** 2 + 0.25)
+    s = GEPOHistory(1.5, 1.5**2 + 0.25)
     a1, a2 = gepo(r, gids, h1, copy.deepcopy(s)), gepo(r, gids, h2, copy.deepcopy(s))
     assert torch.equal(a1[:2], a2[:2])  # group 0 is shaped against the history alone
     s2 = copy.deepcopy(s)
@@ -92,11 +95,13 @@ def test_thresholds_use_history_before_the_current_batch():
 
 def test_state_round_trip_and_missing_entropies_is_named():
     import pytest
+
     s = GEPOHistory(0.7, 0.9, 0.8)
     t = ADVANTAGE_ESTIMATORS.get("gepo").make_state(beta=0.8)
     t.load_state_dict(s.state_dict())
     assert t == s
     from megarl.batch import from_sequences
+
     b = from_sequences([[1], [1]], [[2, 3], [4]], [0, 0], rewards=[1.0, 0.0])
     with pytest.raises(ValueError, match="entropies"):
         ADVANTAGE_ESTIMATORS.get("gepo")(b)

@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference.credit as rc
-from reference.advantages import grpo as ref_grpo
 from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.advantages.estimators import grpo
 from megarl.batch import from_sequences, unpack
 from megarl.methods.credit.steps import anchor_state_keys, state_key
+from reference.advantages import grpo as ref_grpo
 from tests.methods.agent_batches import agent_batches
 from tests.methods.helpers import load_example
 
@@ -27,7 +27,9 @@ def _reference(b, keys, srew, spans, gamma, omega, scale):
 def test_matches_reference(data, gamma, omega, scale):
     b, keys, srew, spans = data
     adv = ADVANTAGE_ESTIMATORS.get("gigpo")(b, gamma=gamma, omega=omega, scale_by_std=scale)
-    torch.testing.assert_close(adv, _reference(b, keys, srew, spans, gamma, omega, scale), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        adv, _reference(b, keys, srew, spans, gamma, omega, scale), rtol=1e-10, atol=1e-10
+    )
 
 
 @settings(max_examples=20)
@@ -42,9 +44,13 @@ def test_no_shared_state_or_omega_zero_is_episode_grpo(data):
 
 
 def test_identical_single_step_trajectories_double_the_episode_advantage():
-    b = from_sequences([[1], [1], [1]], [[2, 3], [2, 3], [2, 3]], [0, 0, 0],
-                       rewards=torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64),
-                       turn_spans=[[(0, 1, "prompt"), (1, 3, "assistant")]] * 3)
+    b = from_sequences(
+        [[1], [1], [1]],
+        [[2, 3], [2, 3], [2, 3]],
+        [0, 0, 0],
+        rewards=torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64),
+        turn_spans=[[(0, 1, "prompt"), (1, 3, "assistant")]] * 3,
+    )
     b.extras["step_state_keys"] = torch.zeros(3, 1, dtype=torch.long)
     adv = ADVANTAGE_ESTIMATORS.get("gigpo")(b, omega=1.0)
     ep = grpo(b.rewards, b.group_ids)
@@ -52,8 +58,10 @@ def test_identical_single_step_trajectories_double_the_episode_advantage():
 
 
 def test_anchor_state_keys_follow_the_observation_tokens():
-    spans = [[(0, 2, "prompt"), (2, 3, "assistant"), (3, 4, "observation"), (4, 5, "assistant")],
-             [(0, 2, "prompt"), (2, 3, "assistant"), (3, 4, "observation"), (4, 5, "assistant")]]
+    spans = [
+        [(0, 2, "prompt"), (2, 3, "assistant"), (3, 4, "observation"), (4, 5, "assistant")],
+        [(0, 2, "prompt"), (2, 3, "assistant"), (3, 4, "observation"), (4, 5, "assistant")],
+    ]
     b = from_sequences([[5, 6], [5, 6]], [[1, 9, 2], [1, 8, 2]], [0, 0], rewards=[1.0, 0.0], turn_spans=spans)
     b.loss_mask[torch.tensor([3, 8])] = 0.0  # observation tokens
     keys = anchor_state_keys(b)
@@ -64,7 +72,10 @@ def test_anchor_state_keys_follow_the_observation_tokens():
 
 def test_missing_keys_and_mismatched_spans_are_named():
     import pytest
-    b = from_sequences([[1]], [[2, 3]], [0], rewards=[1.0], turn_spans=[[(0, 1, "prompt"), (1, 3, "assistant")]])
+
+    b = from_sequences(
+        [[1]], [[2, 3]], [0], rewards=[1.0], turn_spans=[[(0, 1, "prompt"), (1, 3, "assistant")]]
+    )
     with pytest.raises(ValueError, match="step_state_keys"):
         ADVANTAGE_ESTIMATORS.get("gigpo")(b)
     b.extras["step_state_keys"] = torch.tensor([[1, 2]])

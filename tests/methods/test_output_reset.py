@@ -24,9 +24,14 @@ from tests.methods.trust_regions_harness import (
 from tests.property.strategies import rl_cases
 
 AGGS = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum"]
-CFGS = st.builds(ObjectiveConfig, policy_loss=st.just("output_reset"), aggregation=st.sampled_from(AGGS),
-                 policy_loss_args=st.fixed_dictionaries({"margin": st.sampled_from([math.log(1.2), 0.05, 0.5]),
-                                                         "adv_power": st.sampled_from([0.0, 1.0])}))
+CFGS = st.builds(
+    ObjectiveConfig,
+    policy_loss=st.just("output_reset"),
+    aggregation=st.sampled_from(AGGS),
+    policy_loss_args=st.fixed_dictionaries(
+        {"margin": st.sampled_from([math.log(1.2), 0.05, 0.5]), "adv_power": st.sampled_from([0.0, 1.0])}
+    ),
+)
 M = math.log(1.2)
 
 
@@ -36,12 +41,17 @@ def _reference(case):
     def fn(full, pad):
         logp, old, adv, _ = padded_inputs(full, pad)
         return aggregate(ref.output_reset(logp, old, adv, **knobs), pad, mode)
+
     return reference_method_loss_and_grad(case, fn)
 
 
 @settings(max_examples=12)
-@given(case=rl_cases(torch.float64, cfgs=CFGS), tp=st.sampled_from([1, 2]), dp=st.sampled_from([1, 2]),
-       mb=st.integers(1, 3))
+@given(
+    case=rl_cases(torch.float64, cfgs=CFGS),
+    tp=st.sampled_from([1, 2]),
+    dp=st.sampled_from([1, 2]),
+    mb=st.integers(1, 3),
+)
 def test_matches_reference(case, tp, dp, mb):
     assert_equivalent(megarl_method_loss_and_grad(case, tp, dp, mb), _reference(case), case.logits)
 
@@ -64,7 +74,7 @@ def test_past_the_margin_loss_and_gradient_are_zero(p):
 def test_gradient_at_ratio_one_is_parallel_to_ppo(p):
     adv = torch.tensor([2.0, -0.5, 1.5, -3.0], dtype=torch.float64)
     g = _grad(torch.zeros(4, dtype=torch.float64), adv, adv_power=p)
-    torch.testing.assert_close(g, -adv.abs() ** p * M * torch.sign(adv))
+    torch.testing.assert_close(g, -(adv.abs() ** p) * M * torch.sign(adv))
     g_ppo = _grad(torch.zeros(4, dtype=torch.float64), adv, fn=ppo)  # = -A at r = 1
     assert torch.all(torch.sign(g) == torch.sign(g_ppo))
 
@@ -77,9 +87,11 @@ def test_derivative_is_continuous_at_the_margin_and_ppo_is_not(a, p):
     h = 1e-6
 
     def d(fn, x0, x1, **kw):
-        f = lambda x: fn(torch.tensor([x], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
-                         adv, None, None, **kw).item()
+        f = lambda x: fn(  # noqa: E731
+            torch.tensor([x], dtype=torch.float64), torch.zeros(1, dtype=torch.float64), adv, None, None, **kw
+        ).item()
         return (f(x1) - f(x0)) / (x1 - x0)
+
     left, right = d(or_loss, edge - h, edge, adv_power=p), d(or_loss, edge, edge + h, adv_power=p)
     assert abs(left - right) < 1e-5 * max(1.0, abs(a))
     ppo_edge = math.log(1.28) if a > 0 else math.log(0.8)
@@ -98,8 +110,14 @@ def test_zero_advantage_gives_zero_loss(p):
 @given(a=st.floats(-4, 4), x=st.floats(-2, 2), h=st.floats(1e-3, 0.5), p=st.sampled_from([0.0, 1.0]))
 def test_convex_in_the_log_ratio(a, x, h, p):
     xs = torch.tensor([x - h, x, x + h], dtype=torch.float64)
-    f = or_loss(xs, torch.zeros(3, dtype=torch.float64), torch.full((3,), a, dtype=torch.float64), None, None,
-                adv_power=p)
+    f = or_loss(
+        xs,
+        torch.zeros(3, dtype=torch.float64),
+        torch.full((3,), a, dtype=torch.float64),
+        None,
+        None,
+        adv_power=p,
+    )
     assert f[0] + f[2] - 2 * f[1] >= -1e-12
 
 
@@ -113,8 +131,16 @@ def test_diagnostics_are_reported():
     b.advantages = torch.tensor([0.0, 1.0, 1.0, 0.0, -1.0], dtype=torch.float64)
     logits = torch.randn(5, 7, dtype=torch.float64)
     lp = torch.log_softmax(logits, -1)[torch.arange(5), b.tokens]
-    b.old_logprobs = lp.detach() - torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0], dtype=torch.float64)  # 2nd token past m
+    b.old_logprobs = lp.detach() - torch.tensor(
+        [0.0, 0.0, 1.0, 0.0, 0.0], dtype=torch.float64
+    )  # 2nd token past m
     out = build_objective({"policy_loss": "output_reset"})(logits, b, LossContext(GlobalNormalisers(3, 2, 2)))
-    torch.testing.assert_close(out.metrics["output_reset/overshoot_frac"], torch.tensor(1 / 3, dtype=torch.float64))
-    torch.testing.assert_close(out.metrics["output_reset/residual"], torch.tensor(2 * M / 3, dtype=torch.float64))
-    torch.testing.assert_close(out.metrics["output_reset/log_ratio_abs"], torch.tensor(1 / 3, dtype=torch.float64))
+    torch.testing.assert_close(
+        out.metrics["output_reset/overshoot_frac"], torch.tensor(1 / 3, dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        out.metrics["output_reset/residual"], torch.tensor(2 * M / 3, dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        out.metrics["output_reset/log_ratio_abs"], torch.tensor(1 / 3, dtype=torch.float64)
+    )

@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference.credit as rc
-from reference.advantages import grpo as ref_grpo
 from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.advantages.estimators import grpo
 from megarl.batch import unpack
 from megarl.methods.credit.pgpo import pgpo_step_advantages
+from reference.advantages import grpo as ref_grpo
 from tests.methods.agent_batches import agent_batches
 from tests.methods.helpers import load_example
 
@@ -45,7 +45,9 @@ def test_telescoping_to_dr_grpo_with_a_shared_initial_state(data):
     a_s = step_adv - episode[steps.seq]
     total = torch.zeros(b.num_seqs, dtype=torch.float64).index_add(0, steps.seq, a_s)
     # Σ_t A^S_{i,t} = R_i − Φ(s_0) = R_i − mean_j R_j (un-normalised GRPO / Dr.GRPO)
-    torch.testing.assert_close(total, grpo(b.rewards, b.group_ids, scale_by_std=False), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        total, grpo(b.rewards, b.group_ids, scale_by_std=False), rtol=1e-10, atol=1e-10
+    )
 
 
 @settings(max_examples=15)
@@ -57,8 +59,9 @@ def test_permutation_invariant_over_trajectory_order(data, rnd):
     adv = ADVANTAGE_ESTIMATORS.get("pgpo")(b)
     b2 = b.select(order)
     adv2 = ADVANTAGE_ESTIMATORS.get("pgpo")(b2)
-    torch.testing.assert_close(adv2, adv[b.select(order).tokens.new_tensor(_token_perm(b, order))],
-                               rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(
+        adv2, adv[b.select(order).tokens.new_tensor(_token_perm(b, order))], rtol=1e-9, atol=1e-9
+    )
 
 
 def _token_perm(b, order):
@@ -67,9 +70,15 @@ def _token_perm(b, order):
 
 def test_failed_trajectory_gets_credit_for_reaching_a_successful_state():
     from megarl.batch import from_sequences
+
     spans = [[(0, 1, "prompt"), (1, 2, "assistant"), (2, 3, "observation"), (3, 4, "assistant")]] * 2
-    b = from_sequences([[1], [1]], [[2, 3, 2], [2, 3, 2]], [0, 0], rewards=torch.tensor([1.0, 0.0], dtype=torch.float64),
-                       turn_spans=spans)
+    b = from_sequences(
+        [[1], [1]],
+        [[2, 3, 2], [2, 3, 2]],
+        [0, 0],
+        rewards=torch.tensor([1.0, 0.0], dtype=torch.float64),
+        turn_spans=spans,
+    )
     b.loss_mask[torch.tensor([2, 6])] = 0.0
     b.extras["step_state_keys"] = torch.tensor([[0, 7], [0, 7]])  # both reach state 7; only one succeeds
     steps, step_adv, episode = pgpo_step_advantages(b, gamma=1.0, omega=1.0, normalise=False)

@@ -12,12 +12,17 @@ from megarl.rewards.shaping import build_reward_shaping
 from megarl.rewards.shaping.reward_floor import RewardFloor, ngram_precision
 from tests.methods.helpers import load_example
 
-WORDS = st.lists(st.sampled_from(["senior", "data", "engineer", "python", "remote", "ml", "Data"]), max_size=8)
+WORDS = st.lists(
+    st.sampled_from(["senior", "data", "engineer", "python", "remote", "ml", "Data"]), max_size=8
+)
 
 
 @settings(max_examples=30)
-@given(st.lists(st.tuples(WORDS, WORDS, st.floats(0, 1)), min_size=1, max_size=6), st.integers(1, 4),
-       st.sampled_from([0.3, 0.5, 1.0]))
+@given(
+    st.lists(st.tuples(WORDS, WORDS, st.floats(0, 1)), min_size=1, max_size=6),
+    st.integers(1, 4),
+    st.sampled_from([0.3, 0.5, 1.0]),
+)
 def test_matches_reference(rows, n, theta):
     responses = [" ".join(r) for r, _, _ in rows]
     sources = [" ".join(s) for _, s, _ in rows]
@@ -45,7 +50,9 @@ def test_copies_get_exactly_the_floor_others_unchanged_and_idempotent(rows):
 
 def test_verbatim_copy_is_floored_and_a_rewrite_is_not():
     src = "Senior data engineer with Python and Spark experience in remote teams"
-    out, copied = RewardFloor()(torch.tensor([0.9, 0.8]), [src.lower(), "remote python data roles"], [src, src])
+    out, copied = RewardFloor()(
+        torch.tensor([0.9, 0.8]), [src.lower(), "remote python data roles"], [src, src]
+    )
     assert copied.tolist() == [True, False] and out.tolist() == [0.0, pytest.approx(0.8)]
 
 

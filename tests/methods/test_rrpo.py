@@ -10,8 +10,14 @@ import reference.reward_shaping as rr
 from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.advantages.estimators import dr_grpo
 from megarl.batch import from_sequences
-from megarl.rewards.shaping.rrpo import (ProjectionHead, anchor_scores, mean_pool, sample_anchors, supcon_loss,
-                                         train_head)
+from megarl.methods.credit.rrpo import (
+    ProjectionHead,
+    anchor_scores,
+    mean_pool,
+    sample_anchors,
+    supcon_loss,
+    train_head,
+)
 from tests.methods.helpers import load_example
 from tests.property.test_advantages import reward_batches
 
@@ -58,11 +64,14 @@ def test_advantages_centred_shift_invariant_and_reference(b, shift, scale):
     for gid in torch.unique(b.group_ids):
         assert abs(float(per_seq[b.group_ids == gid].sum())) < 1e-9
     b.extras["rrpo_scores"] = s + shift
-    torch.testing.assert_close(ADVANTAGE_ESTIMATORS.get("rrpo")(b, scale_by_std=scale), adv, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(
+        ADVANTAGE_ESTIMATORS.get("rrpo")(b, scale_by_std=scale), adv, rtol=1e-9, atol=1e-9
+    )
     # scores equal to the correctness indicator: Dr.GRPO
     b.extras["rrpo_scores"] = b.rewards
-    torch.testing.assert_close(ADVANTAGE_ESTIMATORS.get("rrpo")(b),
-                               dr_grpo(b.rewards, b.group_ids)[b.seq_index()] * b.loss_mask)
+    torch.testing.assert_close(
+        ADVANTAGE_ESTIMATORS.get("rrpo")(b), dr_grpo(b.rewards, b.group_ids)[b.seq_index()] * b.loss_mask
+    )
 
 
 def test_contrastive_loss_decreases_on_a_separable_toy_and_frozen_head_gets_no_gradient():
@@ -87,14 +96,20 @@ def test_contrastive_loss_decreases_on_a_separable_toy_and_frozen_head_gets_no_g
 
 def test_mean_pool_and_anchor_sampling_through_an_engine():
     import asyncio
+
     from tests.methods.judge_engines import ScriptedJudgeEngine, tiny_tokenizer
+
     b = from_sequences([[1], [1]], [[2, 3], [4]], [0, 0], rewards=[1.0, 0.0])
     hidden = torch.arange(10, dtype=torch.float64).reshape(5, 2)
-    torch.testing.assert_close(mean_pool(hidden, b.loss_mask, b.cu_seqlens),
-                               torch.tensor([[3.0, 4.0], [8.0, 9.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        mean_pool(hidden, b.loss_mask, b.cu_seqlens),
+        torch.tensor([[3.0, 4.0], [8.0, 9.0]], dtype=torch.float64),
+    )
     tok = tiny_tokenizer()
     engine = ScriptedJudgeEngine(tok, lambda p: "good" if "gold" in p else "bad")
-    pos, neg = asyncio.run(sample_anchors(engine, tok.encode("hint: gold"), tok.encode("hint: corrupted"), n=2))
+    pos, neg = asyncio.run(
+        sample_anchors(engine, tok.encode("hint: gold"), tok.encode("hint: corrupted"), n=2)
+    )
     assert [tok.decode(t) for t in pos] == ["good"] and [tok.decode(t) for t in neg] == ["bad"]
 
 

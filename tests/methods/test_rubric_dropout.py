@@ -23,13 +23,18 @@ def rubric_batches(draw):
     valid = torch.stack([torch.arange(K) < n_crit[int(u)] for u in uids])
     w_prompt = {int(u): torch.randint(-1, 4, (K,), generator=g).double() for u in torch.unique(uids)}
     weights = torch.stack([w_prompt[int(u)] for u in uids]) * valid
-    scores = torch.rand(B, K, generator=g, dtype=torch.float64).round() if draw(st.booleans()) else \
-        torch.rand(B, K, generator=g, dtype=torch.float64)
+    scores = (
+        torch.rand(B, K, generator=g, dtype=torch.float64).round()
+        if draw(st.booleans())
+        else torch.rand(B, K, generator=g, dtype=torch.float64)
+    )
     return scores, weights, valid, uids
 
 
 @settings(max_examples=30)
-@given(rubric_batches(), st.sampled_from([0.0, 0.3, 0.5, 0.9]), st.integers(0, 50), st.booleans(), st.booleans())
+@given(
+    rubric_batches(), st.sampled_from([0.0, 0.3, 0.5, 0.9]), st.integers(0, 50), st.booleans(), st.booleans()
+)
 def test_matches_reference(data, p, step, train, pitfalls):
     scores, weights, valid, uids = data
     R = RubricDropout(p, seed=7, keep_pitfalls=pitfalls)(scores, weights, valid, uids, step, train)

@@ -21,9 +21,13 @@ from tests.methods.trust_regions_harness import (
 )
 from tests.property.strategies import rl_cases
 
-CFGS = st.builds(ObjectiveConfig, policy_loss=st.just("sao_clip"), clip_low=st.sampled_from([0.2, 0.1]),
-                 clip_high=st.sampled_from([0.28, 0.1]),
-                 aggregation=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]))
+CFGS = st.builds(
+    ObjectiveConfig,
+    policy_loss=st.just("sao_clip"),
+    clip_low=st.sampled_from([0.2, 0.1]),
+    clip_high=st.sampled_from([0.28, 0.1]),
+    aggregation=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]),
+)
 
 
 def _reference(case):
@@ -31,14 +35,22 @@ def _reference(case):
 
     def fn(full, pad):
         logp, _, adv, _ = padded_inputs(full, pad)
-        return aggregate(ref.sao_clip(logp, pad.per_token["rollout_logprobs"], adv, cfg.clip_low, cfg.clip_high),
-                         pad, cfg.aggregation)
+        return aggregate(
+            ref.sao_clip(logp, pad.per_token["rollout_logprobs"], adv, cfg.clip_low, cfg.clip_high),
+            pad,
+            cfg.aggregation,
+        )
+
     return reference_method_loss_and_grad(case, fn)
 
 
 @settings(max_examples=12)
-@given(case=rl_cases(torch.float64, cfgs=CFGS), tp=st.sampled_from([1, 2]), dp=st.sampled_from([1, 2]),
-       mb=st.integers(1, 3))
+@given(
+    case=rl_cases(torch.float64, cfgs=CFGS),
+    tp=st.sampled_from([1, 2]),
+    dp=st.sampled_from([1, 2]),
+    mb=st.integers(1, 3),
+)
 def test_matches_reference(case, tp, dp, mb):
     assert_equivalent(megarl_method_loss_and_grad(case, tp, dp, mb), _reference(case), case.logits)
 
@@ -85,7 +97,7 @@ def test_single_rollout_per_prompt_needs_no_group_statistics():
     obj = build_objective({"policy_loss": "sao_clip", "aggregation": "token-sum"})
     ctx = LossContext(GlobalNormalisers(5, 3, 2))
     whole = obj(logits, b, ctx).loss
-    parts = sum(obj(logits[b.cu_seqlens[i]:b.cu_seqlens[i + 1]], b.select([i]), ctx).loss for i in range(3))
+    parts = sum(obj(logits[b.cu_seqlens[i] : b.cu_seqlens[i + 1]], b.select([i]), ctx).loss for i in range(3))
     torch.testing.assert_close(whole, parts)
     assert "sao_clip/out_of_band_frac" in obj(logits, b, ctx).metrics
 
@@ -117,4 +129,6 @@ def test_value_baseline_does_not_change_the_expected_gradient(b0, seed):
 def test_needs_advantages():
     b = from_sequences([[1]], [[2]], [0])
     with pytest.raises(ValueError, match="advantages"):
-        build_objective({"policy_loss": "sao_clip"})(torch.randn(2, 4), b, LossContext(GlobalNormalisers(1, 1)))
+        build_objective({"policy_loss": "sao_clip"})(
+            torch.randn(2, 4), b, LossContext(GlobalNormalisers(1, 1))
+        )

@@ -17,8 +17,12 @@ TEMPS = st.sampled_from([0.05, 0.3, 1.0, 10.0])
 @settings(max_examples=25)
 @given(reward_batches(), TEMPS)
 def test_matches_reference(b, tau):
-    torch.testing.assert_close(softmax_grpo(b.rewards, b.group_ids, tau),
-                               rc.softmax_grpo(b.rewards, b.group_ids, tau), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        softmax_grpo(b.rewards, b.group_ids, tau),
+        rc.softmax_grpo(b.rewards, b.group_ids, tau),
+        rtol=1e-10,
+        atol=1e-10,
+    )
 
 
 @settings(max_examples=25)
@@ -43,7 +47,9 @@ def test_low_temperature_is_maxrl_and_high_temperature_is_mean_centred():
     r = torch.tensor([1, 1, 0, 0, 0, 0], dtype=torch.float64)
     gids = torch.zeros(6, dtype=torch.long)
     # MaxRL: G/k − 1 on the k successes, −1 on failures (spec: [2, 2, −1, −1, −1, −1])
-    torch.testing.assert_close(softmax_grpo(r, gids, 1e-3), torch.tensor([2.0, 2, -1, -1, -1, -1], dtype=torch.float64))
+    torch.testing.assert_close(
+        softmax_grpo(r, gids, 1e-3), torch.tensor([2.0, 2, -1, -1, -1, -1], dtype=torch.float64)
+    )
     tau = 1e5
     torch.testing.assert_close(tau * softmax_grpo(r, gids, tau), r - r.mean(), rtol=1e-4, atol=1e-4)
     rg = torch.randn(6, dtype=torch.float64)
@@ -57,11 +63,13 @@ def test_bounded_where_grpo_diverges():
     adv = softmax_grpo(r, torch.zeros(G, dtype=torch.long), 0.3)
     assert float(adv[0]) >= -1.0
     from megarl.advantages.estimators import grpo
+
     assert float(grpo(r, torch.zeros(G, dtype=torch.long))[0]) < -3.5  # −sqrt(G−1) for GRPO
 
 
 def test_rejects_non_positive_temperature():
     import pytest
+
     with pytest.raises(ValueError, match="temperature"):
         softmax_grpo(torch.zeros(2), torch.zeros(2, dtype=torch.long), 0.0)
 

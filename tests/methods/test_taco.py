@@ -22,28 +22,42 @@ BASES = st.sampled_from(["ppo", "gspo", "cispo", "dppo_tv"])
 
 def taco_reference(alpha: float, lam: float):
     """Reference: TACO advantages from the full logits (detached), then the base loss."""
+
     def run(case: Case):
         logp = token_logprobs(case.logits.double(), case.batch.tokens)
         ent = entropy(case.logits.double())
         adv = rc.taco_advantages(case.batch.advantages.double(), logp, ent, alpha, lam)
         b = dataclasses.replace(case.batch, advantages=adv.to(case.batch.loss_mask.dtype))
-        base = dataclasses.replace(case.cfg, policy_loss=case.cfg.policy_loss_args["base"], policy_loss_args={})
+        base = dataclasses.replace(
+            case.cfg, policy_loss=case.cfg.policy_loss_args["base"], policy_loss_args={}
+        )
         return reference_loss_and_grad(Case(b, case.logits, base, case.teacher_logits, case.extra))
+
     return run
 
 
 @settings(max_examples=15)
-@given(rl_cases(), BASES, st.sampled_from([0.01, 0.3]), st.sampled_from([0.0, 0.5, 0.9, 1.0]),
-       st.sampled_from([1, 2]))
+@given(
+    rl_cases(),
+    BASES,
+    st.sampled_from([0.01, 0.3]),
+    st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+    st.sampled_from([1, 2]),
+)
 def test_loss_and_grad_match_reference_tp1_tp2(case, base, alpha, lam, tp):
-    case.cfg = dataclasses.replace(case.cfg, policy_loss="taco",
-                                   policy_loss_args={"base": base, "alpha": alpha, "lam": lam})
+    case.cfg = dataclasses.replace(
+        case.cfg, policy_loss="taco", policy_loss_args={"base": base, "alpha": alpha, "lam": lam}
+    )
     assert_objective_equivalent(case, tp, reference=taco_reference(alpha, lam))
 
 
 @settings(max_examples=25)
-@given(st.lists(st.floats(-30, 0), min_size=1, max_size=20), st.floats(0, 8), st.sampled_from([1e-3, 0.01, 0.5]),
-       st.floats(0, 1))
+@given(
+    st.lists(st.floats(-30, 0), min_size=1, max_size=20),
+    st.floats(0, 8),
+    st.sampled_from([1e-3, 0.01, 0.5]),
+    st.floats(0, 1),
+)
 def test_weights_bounded_one_on_safe_tokens_and_monotone(logps, H, alpha, lam):
     lp = torch.tensor(sorted(logps, reverse=True), dtype=torch.float64)  # increasing surprisal
     h = torch.full_like(lp, H)
@@ -68,18 +82,21 @@ def test_negative_and_zero_advantages_untouched_and_lambda_zero_is_identity():
 @given(rl_cases(cfgs=st.just(ObjectiveConfig())))
 def test_lambda_zero_is_exactly_the_base_loss_and_no_gradient_through_w(case):
     from megarl.objectives.api import GlobalNormalisers, LossContext
+
     ctx = LossContext(GlobalNormalisers.from_batch(case.batch))
     logits = case.logits.clone().requires_grad_(True)
     base = build_objective({})(logits, case.batch, ctx).loss
-    taco0 = build_objective({"policy_loss": "taco", "policy_loss_args": {"lam": 0.0}})(logits, case.batch, ctx).loss
+    taco0 = build_objective({"policy_loss": "taco", "policy_loss_args": {"lam": 0.0}})(
+        logits, case.batch, ctx
+    ).loss
     assert torch.equal(base, taco0)
     # with λ > 0 the gradient is that of the base loss on the detached shaped advantages
     obj = build_objective({"policy_loss": "taco", "policy_loss_args": {"lam": 0.9}})
-    g1, = torch.autograd.grad(obj(logits, case.batch, ctx).loss, logits)
+    (g1,) = torch.autograd.grad(obj(logits, case.batch, ctx).loss, logits)
     logp = token_logprobs(case.logits, case.batch.tokens)
     shaped = taco_advantages(case.batch.advantages, logp, entropy(case.logits), 0.01, 0.9)
     b2 = dataclasses.replace(case.batch, advantages=shaped)
-    g2, = torch.autograd.grad(build_objective({})(logits, b2, ctx).loss, logits)
+    (g2,) = torch.autograd.grad(build_objective({})(logits, b2, ctx).loss, logits)
     torch.testing.assert_close(g1, g2, rtol=1e-9, atol=1e-12)
 
 

@@ -41,6 +41,7 @@ def test_elementwise_methods_over_gloo(gloo2, name):
     @given(case=rl_cases(torch.float64, cfgs=mod.CFGS))
     def check(case):
         assert_equivalent(_over_gloo(gloo2, case), mod._reference(case), case.logits)
+
     check()
 
 

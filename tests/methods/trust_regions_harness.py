@@ -23,8 +23,9 @@ from reference import aggregation as ref_agg
 from reference.logprobs import token_logprobs
 
 
-def prepare_on_dp_ranks(case: Case, dp: int, objectives: list[RLObjective] | None = None
-                        ) -> tuple[Case, list[RLObjective]]:
+def prepare_on_dp_ranks(
+    case: Case, dp: int, objectives: list[RLObjective] | None = None
+) -> tuple[Case, list[RLObjective]]:
     """Run ``prepare`` of one objective per DP shard (threads, simulated DP group); return the
     case with the merged prepared batch and the objectives."""
     b = case.batch
@@ -38,8 +39,9 @@ def prepare_on_dp_ranks(case: Case, dp: int, objectives: list[RLObjective] | Non
     return dataclasses.replace(case, batch=dataclasses.replace(b, extras=extras)), objectives
 
 
-def megarl_method_loss_and_grad(case: Case, tp: int, dp: int = 1, micro_batches: int = 1,
-                                objectives: list[RLObjective] | None = None):
+def megarl_method_loss_and_grad(
+    case: Case, tp: int, dp: int = 1, micro_batches: int = 1, objectives: list[RLObjective] | None = None
+):
     """prepare on each DP shard, then the TP-sharded, micro-batched objective; (loss, grad [T, V])."""
     prepared, objs = prepare_on_dp_ranks(case, dp, objectives)
     return megarl_loss_and_grad(prepared, tp=tp, dp=dp, micro_batches=micro_batches, objective=objs[0])

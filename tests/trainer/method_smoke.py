@@ -16,7 +16,8 @@ the largest parameter change (max over ranks), the method's checkpoint state aft
 round trip, and ``error`` when the example failed (the loop goes on with the next one).
 
 The distillation example's teacher is the policy's architecture with other random weights
-(written once by ``_setup``). The smoke base adds one reward dimension to the quickstart's exact match (``format``: the
+(written once by ``_setup``). The smoke base adds one reward dimension to the quickstart's exact
+match (``format``: the
 response is digits only, weight 0.5), so that two steps of a barely warmed-up model see non-zero
 advantages; examples with their own ``reward.functions`` keep theirs.
 """
@@ -40,7 +41,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "methods"
 PLUGINS = ROOT / "examples" / "plugins"  # third-party methods (their modules are imported from here)
-QUICKSTART = {"dense": ROOT / "examples" / "quickstart.yaml", "moe": ROOT / "examples" / "quickstart-moe.yaml"}
+QUICKSTART = {
+    "dense": ROOT / "examples" / "quickstart.yaml",
+    "moe": ROOT / "examples" / "quickstart-moe.yaml",
+}
 
 # Examples the trainer cannot run yet, with the reason (the pytest side reports them as skipped).
 UNSUPPORTED: dict[str, str] = {}
@@ -73,22 +77,35 @@ def merge(base: dict, over: dict) -> dict:
 def base_config(model: str, work: Path, steps: int) -> dict:
     """The quickstart config of ``model``, shrunk to a smoke run under ``work``."""
     d = yaml.safe_load(QUICKSTART[model].read_text())
-    return merge(d, {
-        "data": {"train": str(work / "train.jsonl"), "eval": str(work / "eval.jsonl"),
-                 "generate": {"num_train": 64, "num_eval": 4}},
-        "reward": {"functions": list(d["reward"]["functions"]) + [FORMAT_REWARD]},
-        "warmup": {"sft_steps": 6, "batch_size": 32},
-        "rollout": {"n": 4, "max_new_tokens": 6},
-        # 2 mini-batches: the second optimizer step is off-policy, so clipping, trust regions and
-        # corrections act (with one, every ratio is 1 and most losses coincide)
-        "schedule": {"steps": steps, "prompts_per_step": 4, "mini_batches": 2, "micro_batches": 1,
-                     "eval_every": 0, "eval_samples": 4, "eval_k": 1},
-        "optimizer": {"lr_warmup_steps": 0},  # both steps update the weights
-        "checkpoint": {"every": 1000},
-        "inputs": {"rrpo_scores": {"anchors": 2, "head_steps": 5}},
-        "teacher": {"hf_dir": str(work / "teacher")},  # written by _setup (on-policy distillation)
-        "logging": {"run_dir": str(work / "run"), "plot": False},
-    })
+    return merge(
+        d,
+        {
+            "data": {
+                "train": str(work / "train.jsonl"),
+                "eval": str(work / "eval.jsonl"),
+                "generate": {"num_train": 64, "num_eval": 4},
+            },
+            "reward": {"functions": list(d["reward"]["functions"]) + [FORMAT_REWARD]},
+            "warmup": {"sft_steps": 6, "batch_size": 32},
+            "rollout": {"n": 4, "max_new_tokens": 6},
+            # 2 mini-batches: the second optimizer step is off-policy, so clipping, trust regions and
+            # corrections act (with one, every ratio is 1 and most losses coincide)
+            "schedule": {
+                "steps": steps,
+                "prompts_per_step": 4,
+                "mini_batches": 2,
+                "micro_batches": 1,
+                "eval_every": 0,
+                "eval_samples": 4,
+                "eval_k": 1,
+            },
+            "optimizer": {"lr_warmup_steps": 0},  # both steps update the weights
+            "checkpoint": {"every": 1000},
+            "inputs": {"rrpo_scores": {"anchors": 2, "head_steps": 5}},
+            "teacher": {"hf_dir": str(work / "teacher")},  # written by _setup (on-policy distillation)
+            "logging": {"run_dir": str(work / "run"), "plot": False},
+        },
+    )
 
 
 def example_config(base: dict, name: str) -> dict:
@@ -106,8 +123,10 @@ def _params(run) -> list[torch.Tensor]:
 
 
 def _max_change(before: list[torch.Tensor], run) -> float:
-    d = max((float((p.detach() - b).abs().max()) for p, b in zip(run.learner.model.parameters(), before)),
-            default=0.0)
+    d = max(
+        (float((p.detach() - b).abs().max()) for p, b in zip(run.learner.model.parameters(), before)),
+        default=0.0,
+    )
     t = torch.tensor([d], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
@@ -165,9 +184,12 @@ def _setup(run, model: str) -> Path:
     if not run.rank0:
         run.train_ds, run.eval_ds = load_datasets(cfg, run.tok)
     p = cfg.parallel
-    run.groups = initialize_parallel(ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp,
-                                                    sequence_parallel=p.sequence_parallel, expert_tp=p.expert_tp),
-                                     seed=cfg.model.seed)
+    run.groups = initialize_parallel(
+        ParallelLayout(
+            tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, sequence_parallel=p.sequence_parallel, expert_tp=p.expert_tp
+        ),
+        seed=cfg.model.seed,
+    )
     run.failures_total = {"errors": 0, "timeouts": 0}
     run.rewards = None
     init_dir = run.run_dir / INIT_POLICY
@@ -190,7 +212,9 @@ def _write_teacher(run, out: Path) -> None:
     if out.is_dir():
         return
     c = run.cfg
-    ln = build_learner(run.hf, run.groups, c.optimizer, c.model.params_dtype, c.model.seed + 1, trainable=False)
+    ln = build_learner(
+        run.hf, run.groups, c.optimizer, c.model.params_dtype, c.model.seed + 1, trainable=False
+    )
     save_hf_checkpoint(ln.model, run.groups, out, hf_config=run.hf)
     del ln
 
@@ -236,8 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     ap.add_argument("--only", default="", help="comma-separated example names (default: all)")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override of the smoke base config (section.key=value), repeatable")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override of the smoke base config (section.key=value), repeatable",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("MEGARL_NUM_THREADS", "1")))
     import tempfile

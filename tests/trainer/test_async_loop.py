@@ -26,8 +26,7 @@ import torch
 from megarl.data.dataset import PromptDataset, PromptRow, PromptSampler
 from megarl.data.tokenizer import CharTokenizer
 from megarl.rewards.compute import RewardComputer
-from megarl.rollout.embedded import EmbeddedEngine, teacher_forced_logprobs
-from megarl.rollout.embedded import hf_model_from_config
+from megarl.rollout.embedded import EmbeddedEngine, hf_model_from_config, teacher_forced_logprobs
 from megarl.trainer.async_loop import AsyncRollouts, AsyncTrainer, ThreadEventLoop, staleness_of, too_stale
 from megarl.trainer.config import ConfigError, from_dict
 from megarl.trainer.loop import Trainer, trainer_class
@@ -35,18 +34,32 @@ from megarl.trainer.method_runtime import MethodRuntime
 from megarl.trainer.run import Run
 
 ROOT = Path(__file__).parents[2]
-HF = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 96,
-      "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+HF = {
+    "model_type": "qwen3",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 96,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
 BASE = {"model": {"hf_config": HF, "alphabet": "0123456789R= "}, "data": {"train": "unused.jsonl"}}
 
 
 # ----------------------------------------------------------------------------------------- config
 def test_async_section_is_validated():
-    cfg = from_dict(dict(BASE, async_loop={"enabled": True, "max_staleness": 2, "partial_rollout": "continue"}))
+    cfg = from_dict(
+        dict(BASE, async_loop={"enabled": True, "max_staleness": 2, "partial_rollout": "continue"})
+    )
     assert cfg.async_loop.max_staleness == 2 and trainer_class(cfg) is AsyncTrainer
     assert trainer_class(from_dict(BASE)) is Trainer
-    with pytest.raises(ConfigError, match=r"async_loop.partial_rollout='resume'; allowed: 'abort', 'continue'"):
+    with pytest.raises(
+        ConfigError, match=r"async_loop.partial_rollout='resume'; allowed: 'abort', 'continue'"
+    ):
         from_dict(dict(BASE, async_loop={"partial_rollout": "resume"}))
     with pytest.raises(ConfigError, match=r"async_loop.max_staleness=-1 must be >= 0"):
         from_dict(dict(BASE, async_loop={"max_staleness": -1}))
@@ -66,15 +79,21 @@ class _Run(Run):
     in flight by a weight update."""
 
     def sampling_params(self, step, rnd, i, greedy=False):
-        return dataclasses.replace(super().sampling_params(step, rnd, i, greedy), ignore_eos=True,
-                                   stop_token_ids=())
+        return dataclasses.replace(
+            super().sampling_params(step, rnd, i, greedy), ignore_eos=True, stop_token_ids=()
+        )
 
 
 class _Trainer:
     """The asynchronous rollout source over an embedded engine, as ``AsyncTrainer`` assembles it."""
 
     def __init__(self, source: AsyncRollouts):
-        self.source, self.engine, self.loop, self.producer = source, source.run.engine, source.run.loop, source.producer
+        self.source, self.engine, self.loop, self.producer = (
+            source,
+            source.run.engine,
+            source.run.loop,
+            source.producer,
+        )
 
     def _start_producer(self, step: int) -> None:
         self.source.start()
@@ -84,19 +103,28 @@ class _Trainer:
 
 
 def make_trainer(partial: str, tmp: Path) -> _Trainer:
-    cfg = from_dict(dict(BASE, reward={"functions": [{"name": "low", "kind": "regex", "pattern": "^[0-4]"}]},
-                         rollout={"n": 3, "max_new_tokens": 80}, schedule={"prompts_per_step": 3, "steps": 2},
-                         async_loop={"enabled": True, "max_staleness": 1, "partial_rollout": partial},
-                         logging={"run_dir": str(tmp)}))
+    cfg = from_dict(
+        dict(
+            BASE,
+            reward={"functions": [{"name": "low", "kind": "regex", "pattern": "^[0-4]"}]},
+            rollout={"n": 3, "max_new_tokens": 80},
+            schedule={"prompts_per_step": 3, "steps": 2},
+            async_loop={"enabled": True, "max_staleness": 1, "partial_rollout": partial},
+            logging={"run_dir": str(tmp)},
+        )
+    )
     run = _Run(cfg)
     run.rank0, run.tok, run.hf = True, CharTokenizer(cfg.model.alphabet), dict(HF)
     torch.manual_seed(0)
-    model = hf_model_from_config(dict(HF, vocab_size=run.tok.vocab_size, eos_token_id=1, pad_token_id=0,
-                                      bos_token_id=2))
+    model = hf_model_from_config(
+        dict(HF, vocab_size=run.tok.vocab_size, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    )
     run.engine = EmbeddedEngine(model, eos_token_ids=[1], weight_version="0")
     run.loop = ThreadEventLoop()
-    rows = [PromptRow(prompt=f"R {i:03d}=", answer=f"{i:03d}"[::-1], task="reverse", source=f"mem:{i}")
-            for i in range(50)]
+    rows = [
+        PromptRow(prompt=f"R {i:03d}=", answer=f"{i:03d}"[::-1], task="reverse", source=f"mem:{i}")
+        for i in range(50)
+    ]
     run.train_ds, run.eval_ds = PromptDataset(rows), None
     run.sampler = PromptSampler(len(rows), 0)
     run.rewards = RewardComputer(cfg.reward)
@@ -159,7 +187,11 @@ def test_weight_update_mid_rollout(partial, tmp_path):
                 assert v == 0 and src == sorted(src) and set(src) == {0, 1}, (i, src)
         mixed = sum(1 for i in range(len(ro2.versions)) if len(set(per_token_source(ro2, i, m0, m1))) == 2)
         if partial == "continue":
-            assert c["async/continued_samples_total"] >= 1 and mixed >= 1 and c["async/mixed_version_samples"] == mixed
+            assert (
+                c["async/continued_samples_total"] >= 1
+                and mixed >= 1
+                and c["async/mixed_version_samples"] == mixed
+            )
         else:
             assert c["async/resubmitted_groups_total"] >= 1 and mixed == 0
             assert 1 in ro2.versions
@@ -170,16 +202,37 @@ def test_weight_update_mid_rollout(partial, tmp_path):
 
 # ----------------------------------------------------------------------------------------- end to end
 def overrides(tmp: Path, run_dir: Path, steps: int) -> list[str]:
-    return [f"logging.run_dir={run_dir}", f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}",
-            "data.generate.num_train=300", "data.generate.num_eval=16", "warmup.sft_steps=4",
-            "warmup.batch_size=16", f"schedule.steps={steps}", "schedule.prompts_per_step=4",
-            "schedule.mini_batches=2", "rollout.n=4", "schedule.eval_samples=8", "schedule.eval_k=2",
-            "checkpoint.every=2", "checkpoint.keep_last=3", "logging.plot=false"]
+    return [
+        f"logging.run_dir={run_dir}",
+        f"data.train={tmp / 'train.jsonl'}",
+        f"data.eval={tmp / 'eval.jsonl'}",
+        "data.generate.num_train=300",
+        "data.generate.num_eval=16",
+        "warmup.sft_steps=4",
+        "warmup.batch_size=16",
+        f"schedule.steps={steps}",
+        "schedule.prompts_per_step=4",
+        "schedule.mini_batches=2",
+        "rollout.n=4",
+        "schedule.eval_samples=8",
+        "schedule.eval_k=2",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=3",
+        "logging.plot=false",
+    ]
 
 
 def run(args: list[str], config: Path = ROOT / "examples" / "quickstart.yaml") -> str:
     env = {"MEGARL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    p = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(config), *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    p = subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "train", str(config), *args],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 
@@ -191,8 +244,11 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 @pytest.mark.slow
 def test_async_quickstart_respects_the_staleness_bound_and_resumes_its_queue(tmp_path):
     run_dir = tmp_path / "async"
-    args = overrides(tmp_path, run_dir, steps=4) + ["async_loop.enabled=true", "async_loop.max_staleness=1",
-                                                    "async_loop.partial_rollout=continue"]
+    args = overrides(tmp_path, run_dir, steps=4) + [
+        "async_loop.enabled=true",
+        "async_loop.max_staleness=1",
+        "async_loop.partial_rollout=continue",
+    ]
     run(args)
     m = metrics(run_dir)
     assert sorted(m) == [0, 1, 2, 3, 4]
@@ -229,25 +285,39 @@ def test_async_quickstart_respects_the_staleness_bound_and_resumes_its_queue(tmp
         assert all(0 <= s - 1 - int(v) <= 1 for v in m2[s]["async/versions"])
 
 
-DETERMINISTIC = ("reward/mean", "reward/std", "train/loss", "train/kl", "train/entropy", "train/grad_norm",
-                 "adv/std", "rollout/response_len", "rollout/example")
+DETERMINISTIC = (
+    "reward/mean",
+    "reward/std",
+    "train/loss",
+    "train/kl",
+    "train/entropy",
+    "train/grad_norm",
+    "adv/std",
+    "rollout/response_len",
+    "rollout/example",
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example, signal", [("reward-floor", "shaping/reward_floor/copied_frac"),
-                                             ("gigpo", "adv/steps_per_seq")])
+@pytest.mark.parametrize(
+    "example, signal", [("reward-floor", "shaping/reward_floor/copied_frac"), ("gigpo", "adv/steps_per_seq")]
+)
 def test_async_loop_runs_reward_shaping_and_multi_turn_methods(example, signal, tmp_path):
     """The asynchronous producer runs the same collector as the synchronous loop: a reward shaper
     (round processor) and a multi-turn workflow (environment: retry) work there too."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
-    for section, body in yaml.safe_load((ROOT / "examples" / "methods" / f"{example}.yaml").read_text()).items():
+    for section, body in yaml.safe_load(
+        (ROOT / "examples" / "methods" / f"{example}.yaml").read_text()
+    ).items():
         cfg[section] = body if section in ("advantage", "objective") else {**cfg.get(section, {}), **body}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
-    run(overrides(tmp_path, run_dir, steps=2) + ["async_loop.enabled=true", "async_loop.max_staleness=1"],
-        config=tmp_path / "cfg.yaml")
+    run(
+        overrides(tmp_path, run_dir, steps=2) + ["async_loop.enabled=true", "async_loop.max_staleness=1"],
+        config=tmp_path / "cfg.yaml",
+    )
     m = metrics(run_dir)
     for s in (1, 2):
         assert signal in m[s], sorted(m[s])
@@ -271,9 +341,11 @@ def test_async_with_zero_staleness_reproduces_the_synchronous_loop(tmp_path):
 def test_thread_event_loop_runs_coroutines_from_another_thread():
     loop = ThreadEventLoop()
     try:
+
         async def where():
             await asyncio.sleep(0)
             import threading
+
             return threading.current_thread().name
 
         assert loop.run_until_complete(where()) == "megarl-rollout"

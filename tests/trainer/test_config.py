@@ -5,7 +5,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.trainer.config import ConfigError, apply_overrides, check_layout, from_dict, load_config, save_resolved
+from megarl.trainer.config import (
+    ConfigError,
+    apply_overrides,
+    check_layout,
+    from_dict,
+    load_config,
+    save_resolved,
+)
 
 ROOT = Path(__file__).parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -24,7 +31,9 @@ def test_quickstart_config_loads_and_embeds_core_grpo_unchanged():
     assert cfg.objective.kl_coef == 0.001 and cfg.objective.aggregation == "seq-mean-token-mean"
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples" / "methods").glob("core-*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "examples" / "methods").glob("core-*.yaml")), ids=lambda p: p.stem
+)
 def test_every_core_method_section_is_accepted(path):
     d = base()
     core = yaml.safe_load(path.read_text())
@@ -32,27 +41,55 @@ def test_every_core_method_section_is_accepted(path):
     from_dict(d)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d["schedule"].update(stepz=3), "unknown key schedule.stepz; allowed in schedule: steps"),
-    (lambda d: d.update(trainer={}), "unknown key trainer; allowed in the top level: model"),
-    (lambda d: d["schedule"].update(steps="ten"), "schedule.steps='ten' must be an integer"),
-    (lambda d: d["schedule"].update(steps=2.5), "schedule.steps=2.5 must be an integer"),
-    (lambda d: d["optimizer"].update(lr="1e-3"), "optimizer.lr='1e-3' must be a number"),
-    (lambda d: d["rollout"].update(engine="vllm2"), "rollout.engine='vllm2'; allowed: 'embedded', 'vllm', 'sglang'"),
-    (lambda d: d["objective"].update(policy_loss="ppo2"), "objective.policy_loss='ppo2'; allowed: cispo"),
-    (lambda d: d["objective"].update(clip_hi=0.3), "unknown key objective.clip_hi; allowed in objective: policy_loss"),
-    (lambda d: d["advantage"].update(estimator="grpo2"), "advantage.estimator='grpo2'; allowed: .*dr_grpo, .*gae"),
-    (lambda d: d["advantage"].update(gamma=0.9), "unknown key advantage.gamma for estimator 'grpo'; allowed: "
-                                                "estimator, scale_by_std, eps"),
-    (lambda d: d["advantage"].update(scale_by_std="yes"), "advantage.scale_by_std='yes' must be true or false"),
-    (lambda d: d["rollout"].update(n=0), "rollout.n=0 must be > 0"),
-    (lambda d: d["reward"]["functions"][0].update(kind="python"), "reward.functions\\[0\\].function must be "
-                                                                 "'module:function'"),
-    (lambda d: d["reward"]["functions"][0].update(kindd="x"), "unknown key reward.functions\\[0\\].kindd"),
-    (lambda d: d["rollout"].update(engine="vllm"), "rollout.engine='vllm' needs rollout.urls"),
-    (lambda d: d["data"].update(on_bad_row="ignore"), "data.on_bad_row='ignore'; allowed: 'fatal', 'skip'"),
-    (lambda d: d["schedule"].update(mini_batches=99), "schedule.mini_batches=99 must be <= schedule.prompts_per_step"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["schedule"].update(stepz=3), "unknown key schedule.stepz; allowed in schedule: steps"),
+        (lambda d: d.update(trainer={}), "unknown key trainer; allowed in the top level: model"),
+        (lambda d: d["schedule"].update(steps="ten"), "schedule.steps='ten' must be an integer"),
+        (lambda d: d["schedule"].update(steps=2.5), "schedule.steps=2.5 must be an integer"),
+        (lambda d: d["optimizer"].update(lr="1e-3"), "optimizer.lr='1e-3' must be a number"),
+        (
+            lambda d: d["rollout"].update(engine="vllm2"),
+            "rollout.engine='vllm2'; allowed: 'embedded', 'vllm', 'sglang'",
+        ),
+        (lambda d: d["objective"].update(policy_loss="ppo2"), "objective.policy_loss='ppo2'; allowed: cispo"),
+        (
+            lambda d: d["objective"].update(clip_hi=0.3),
+            "unknown key objective.clip_hi; allowed in objective: policy_loss",
+        ),
+        (
+            lambda d: d["advantage"].update(estimator="grpo2"),
+            "advantage.estimator='grpo2'; allowed: .*dr_grpo, .*gae",
+        ),
+        (
+            lambda d: d["advantage"].update(gamma=0.9),
+            "unknown key advantage.gamma for estimator 'grpo'; allowed: estimator, scale_by_std, eps",
+        ),
+        (
+            lambda d: d["advantage"].update(scale_by_std="yes"),
+            "advantage.scale_by_std='yes' must be true or false",
+        ),
+        (lambda d: d["rollout"].update(n=0), "rollout.n=0 must be > 0"),
+        (
+            lambda d: d["reward"]["functions"][0].update(kind="python"),
+            "reward.functions\\[0\\].function must be 'module:function'",
+        ),
+        (
+            lambda d: d["reward"]["functions"][0].update(kindd="x"),
+            "unknown key reward.functions\\[0\\].kindd",
+        ),
+        (lambda d: d["rollout"].update(engine="vllm"), "rollout.engine='vllm' needs rollout.urls"),
+        (
+            lambda d: d["data"].update(on_bad_row="ignore"),
+            "data.on_bad_row='ignore'; allowed: 'fatal', 'skip'",
+        ),
+        (
+            lambda d: d["schedule"].update(mini_batches=99),
+            "schedule.mini_batches=99 must be <= schedule.prompts_per_step",
+        ),
+    ],
+)
 def test_bad_config_is_named(mutate, message):
     d = base()
     mutate(d)
@@ -61,8 +98,9 @@ def test_bad_config_is_named(mutate, message):
 
 
 def test_overrides_parse_yaml_values_and_create_sections():
-    d = apply_overrides(base(), ["schedule.steps=3", "optimizer.lr=1.0e-4", "logging.run_dir=/tmp/x",
-                                 "sampling.dynamic=true"])
+    d = apply_overrides(
+        base(), ["schedule.steps=3", "optimizer.lr=1.0e-4", "logging.run_dir=/tmp/x", "sampling.dynamic=true"]
+    )
     cfg = from_dict(d)
     assert cfg.schedule.steps == 3 and cfg.optimizer.lr == 1e-4 and cfg.logging.run_dir == "/tmp/x"
     assert cfg.sampling.dynamic is True
@@ -72,14 +110,21 @@ def test_overrides_parse_yaml_values_and_create_sections():
         load_config(QUICKSTART, ["schedule.stpes=3"])
 
 
-@pytest.mark.parametrize("parallel, world, message", [
-    ({"tp": 3}, 3, "parallel.tp=3 must divide num_attention_heads=4 and num_key_value_heads=2; allowed tp: 1, 2"),
-    ({"tp": 2}, 3, "parallel: tp\\*pp\\*cp=2 must divide the world size 3"),
-    ({"ep": 2}, 2, "parallel.ep=2 must divide num_experts=0 \\(a dense model needs ep=1\\)"),
-    ({"pp": 3}, 3, "parallel.pp=3 must divide num_hidden_layers=2; allowed pp: 1, 2"),
-    ({"world_size": 4}, 2, "parallel.world_size=4 but this job has 2 process"),
-    ({"tp": 1, "sequence_parallel": True}, 1, "sequence_parallel=true needs parallel.tp > 1"),
-])
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        (
+            {"tp": 3},
+            3,
+            "parallel.tp=3 must divide num_attention_heads=4 and num_key_value_heads=2; allowed tp: 1, 2",
+        ),
+        ({"tp": 2}, 3, "parallel: tp\\*pp\\*cp=2 must divide the world size 3"),
+        ({"ep": 2}, 2, "parallel.ep=2 must divide num_experts=0 \\(a dense model needs ep=1\\)"),
+        ({"pp": 3}, 3, "parallel.pp=3 must divide num_hidden_layers=2; allowed pp: 1, 2"),
+        ({"world_size": 4}, 2, "parallel.world_size=4 but this job has 2 process"),
+        ({"tp": 1, "sequence_parallel": True}, 1, "sequence_parallel=true needs parallel.tp > 1"),
+    ],
+)
 def test_impossible_layouts_fail_at_start(parallel, world, message):
     d = base()
     d["parallel"] = parallel

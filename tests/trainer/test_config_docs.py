@@ -14,8 +14,9 @@ def test_every_key_has_a_meaning():
 
 def test_docs_configuration_md_is_in_sync():
     want = config_docs.render()
-    assert DOC.read_text() == want, ("docs/configuration.md is stale: run "
-                                     "`python -m megarl.trainer.config_docs > docs/configuration.md`")
+    assert DOC.read_text() == want, (
+        "docs/configuration.md is stale: run `python -m megarl.trainer.config_docs > docs/configuration.md`"
+    )
 
 
 def test_every_section_and_key_is_listed():
@@ -24,7 +25,14 @@ def test_every_section_and_key_is_listed():
 
     for f in dataclasses.fields(TrainConfig):
         assert f"## `{f.name}`" in text
-    for key in ("async_loop.max_staleness", "async_loop.partial_rollout", "data.chat_template", "rollout.launch",
-                "logging.progress", "reward.functions[].kind", "schedule.old_logprobs"):
+    for key in (
+        "async_loop.max_staleness",
+        "async_loop.partial_rollout",
+        "data.chat_template",
+        "rollout.launch",
+        "logging.progress",
+        "reward.functions[].kind",
+        "schedule.old_logprobs",
+    ):
         assert f"| `{key}` |" in text, key
     assert "'math_verify'" in text

@@ -21,13 +21,22 @@ def write(tmp_path, lines, name="d.jsonl"):
 GOOD = json.dumps({"prompt": "R 12=", "answer": "21"})
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("{not json", "d.jsonl:2: not valid JSON"),
-    ("[1, 2]", "d.jsonl:2: expected a JSON object, got list"),
-    (json.dumps({"answer": "1"}), "d.jsonl:2: field 'prompt' must be a non-empty string, got None"),
-    (json.dumps({"prompt": "R 1=", "answer": None}), "d.jsonl:2: field 'answer' must be a string or number"),
-    (json.dumps({"prompt": "R x=", "answer": "1"}), "d.jsonl:2: prompt cannot be tokenized: character 'x'"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("{not json", "d.jsonl:2: not valid JSON"),
+        ("[1, 2]", "d.jsonl:2: expected a JSON object, got list"),
+        (json.dumps({"answer": "1"}), "d.jsonl:2: field 'prompt' must be a non-empty string, got None"),
+        (
+            json.dumps({"prompt": "R 1=", "answer": None}),
+            "d.jsonl:2: field 'answer' must be a string or number",
+        ),
+        (
+            json.dumps({"prompt": "R x=", "answer": "1"}),
+            "d.jsonl:2: prompt cannot be tokenized: character 'x'",
+        ),
+    ],
+)
 def test_bad_row_is_named_by_file_and_line(tmp_path, bad, message):
     p = write(tmp_path, [GOOD, bad, GOOD])
     tok = CharTokenizer("0123456789R =")
@@ -54,7 +63,9 @@ def test_glob_and_missing_files(tmp_path):
 
 
 def test_generated_task_files_are_disjoint_and_correct(tmp_path):
-    generate_task_files("add", tmp_path / "t.jsonl", tmp_path / "e.jsonl", num_train=50, num_eval=10, digits=2)
+    generate_task_files(
+        "add", tmp_path / "t.jsonl", tmp_path / "e.jsonl", num_train=50, num_eval=10, digits=2
+    )
     tr = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     ev = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert len(tr) == 50 and len(ev) == 10 and not {r["prompt"] for r in tr} & {r["prompt"] for r in ev}
@@ -79,8 +90,10 @@ def rc(*fns, timeout_s=5.0, fallback=-1.0):
 
 
 def test_builtin_rewards_and_weighted_dimensions():
-    comp = rc(RewardFunctionConfig(name="exact", kind="exact_match", weight=1.0),
-              RewardFunctionConfig(name="fmt", kind="regex", pattern="^\\d+$", weight=0.5))
+    comp = rc(
+        RewardFunctionConfig(name="exact", kind="exact_match", weight=1.0),
+        RewardFunctionConfig(name="fmt", kind="regex", pattern="^\\d+$", weight=0.5),
+    )
     res = comp(["21", " 21 ", "2x"], ["21", "21", "21"])
     assert res.dims["exact"].tolist() == [1.0, 1.0, 0.0]
     assert res.dims["fmt"].tolist() == [1.0, 0.0, 0.0]
@@ -88,7 +101,9 @@ def test_builtin_rewards_and_weighted_dimensions():
 
 
 def test_raising_reward_function_is_contained():
-    comp = rc(RewardFunctionConfig(name="r", kind="python", function="tests.trainer.reward_fns:raises_on_seven"))
+    comp = rc(
+        RewardFunctionConfig(name="r", kind="python", function="tests.trainer.reward_fns:raises_on_seven")
+    )
     try:
         res = comp(["12", "17", "12", "nan"], ["12", "17", "13", "nan"])
         assert res.scalar.tolist() == [1.0, -1.0, 0.0, 1.0]
@@ -99,8 +114,11 @@ def test_raising_reward_function_is_contained():
 
 
 def test_hanging_reward_function_times_out_and_worker_restarts():
-    comp = rc(RewardFunctionConfig(name="h", kind="python", function="tests.trainer.reward_fns:hangs_on_seven"),
-              timeout_s=1.0, fallback=0.25)
+    comp = rc(
+        RewardFunctionConfig(name="h", kind="python", function="tests.trainer.reward_fns:hangs_on_seven"),
+        timeout_s=1.0,
+        fallback=0.25,
+    )
     try:
         t0 = time.time()
         res = comp(["7", "12", "77", "3"], ["7", "12", "77", "4"])

@@ -9,18 +9,27 @@ import torch
 from megarl.data.dataset import PromptDataset, PromptRow, PromptSampler
 from megarl.data.tokenizer import CharTokenizer
 from megarl.rewards.compute import RewardComputer
-from megarl.rollout.embedded import EmbeddedEngine
-from megarl.trainer.config import from_dict
-from megarl.rollout.embedded import hf_model_from_config
+from megarl.rollout.embedded import EmbeddedEngine, hf_model_from_config
 from megarl.rollout.workflow import SingleTurn, WorkflowContext
 from megarl.trainer.allocation import allocator_from_config
 from megarl.trainer.collector import RolloutCollector
+from megarl.trainer.config import from_dict
 from megarl.trainer.rollouts import rollouts_from_groups
 from megarl.trainer.run import Run
 
-HF = dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-          num_key_value_heads=1, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
-          rope_theta=10000.0, tie_word_embeddings=False)
+HF = dict(
+    model_type="qwen3",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 
 
 class Collecting:
@@ -36,32 +45,48 @@ class Collecting:
 
 
 def trainer(dynamic: bool, max_rounds: int = 3) -> Collecting:
-    cfg = from_dict({
-        "model": {"hf_config": HF, "alphabet": "0123456789R= "},
-        "data": {"train": "unused.jsonl"},
-        # reward 1 when the first generated character is a digit below 5: random under a random model
-        "reward": {"functions": [{"name": "low", "kind": "regex", "pattern": "^[0-4]"}]},
-        "rollout": {"n": 4, "max_new_tokens": 3},
-        "schedule": {"prompts_per_step": 6, "seed": 5},
-        "sampling": {"dynamic": dynamic, "max_rounds": max_rounds},
-    })
+    cfg = from_dict(
+        {
+            "model": {"hf_config": HF, "alphabet": "0123456789R= "},
+            "data": {"train": "unused.jsonl"},
+            # reward 1 when the first generated character is a digit below 5: random under a random model
+            "reward": {"functions": [{"name": "low", "kind": "regex", "pattern": "^[0-4]"}]},
+            "rollout": {"n": 4, "max_new_tokens": 3},
+            "schedule": {"prompts_per_step": 6, "seed": 5},
+            "sampling": {"dynamic": dynamic, "max_rounds": max_rounds},
+        }
+    )
     run = Run(cfg)
     run.tok = CharTokenizer(cfg.model.alphabet)
     torch.manual_seed(0)
-    model = hf_model_from_config(dict(HF, vocab_size=run.tok.vocab_size, eos_token_id=1, pad_token_id=0,
-                                      bos_token_id=2))
+    model = hf_model_from_config(
+        dict(HF, vocab_size=run.tok.vocab_size, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    )
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.02)  # near-uniform sampling: groups of every kind
     engine = EmbeddedEngine(model, eos_token_ids=[1])
-    rows = [PromptRow(prompt=f"R {i:03d}=", answer=f"{i:03d}"[::-1], task="reverse", source=f"mem:{i}")
-            for i in range(200)]
+    rows = [
+        PromptRow(prompt=f"R {i:03d}=", answer=f"{i:03d}"[::-1], task="reverse", source=f"mem:{i}")
+        for i in range(200)
+    ]
     ds = PromptDataset(rows)
     rewards = RewardComputer(cfg.reward)
     wctx = WorkflowContext(run.tok, lambda t, a: 0.0, 1.0, None, cfg.environment)
-    c = RolloutCollector(engine=engine, tokenizer=run.tok, dataset=ds, sampler=PromptSampler(len(rows), 0),
-                         rewards=rewards, workflow=SingleTurn(wctx), processors=[],
-                         allocator=allocator_from_config(cfg), sampling=run.sampling_params, n=cfg.rollout.n,
-                         weights={"low": 1.0}, fallback=0.0, version=lambda: 0)
+    c = RolloutCollector(
+        engine=engine,
+        tokenizer=run.tok,
+        dataset=ds,
+        sampler=PromptSampler(len(rows), 0),
+        rewards=rewards,
+        workflow=SingleTurn(wctx),
+        processors=[],
+        allocator=allocator_from_config(cfg),
+        sampling=run.sampling_params,
+        n=cfg.rollout.n,
+        weights={"low": 1.0},
+        fallback=0.0,
+        version=lambda: 0,
+    )
     return Collecting(c, asyncio.new_event_loop(), ds.task_id, rewards.names)
 
 

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[2]
 from tests.trainer.method_smoke import UNSUPPORTED, example_names
+
+ROOT = Path(__file__).parents[2]
 
 pytestmark = pytest.mark.slow
 MODELS = ("dense", "moe")
@@ -46,11 +47,28 @@ def results(model: str, tmp_root: Path) -> dict[str, dict]:
     work = tmp_root / f"smoke-{model}"
     out = work / "results.jsonl"
     work.mkdir(parents=True, exist_ok=True)
-    runner = [str(ROOT / "tests" / "trainer" / "method_smoke.py"), "--model", model, "--work", str(work),
-              "--out", str(out), "--steps", str(STEPS)]
+    runner = [
+        str(ROOT / "tests" / "trainer" / "method_smoke.py"),
+        "--model",
+        model,
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+    ]
     if model == "moe":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(_free_port()), *runner]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            *runner,
+        ]
     else:
         cmd = [sys.executable, *runner]
     env = dict(os.environ, MEGARL_NUM_THREADS="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -111,12 +129,18 @@ def check_signal(name: str, r: dict) -> None:
         d = _any(r, "train/distill")  # teacher logprobs from the forward-only teacher learner
         assert len(d) == STEPS and any(x != 0 for x in d), d
     elif name == "bounded-advantages":  # the plugin: its step hook ran and its state is checkpointed
-        assert len(_any(r, "bounded/clipped_frac")) == STEPS and st["method"]["step_hooks"] == [["clipped_total"]]
+        assert len(_any(r, "bounded/clipped_frac")) == STEPS and st["method"]["step_hooks"] == [
+            ["clipped_total"]
+        ]
     elif name in ("core-grpo", "core-reinforce-pp-baseline"):
         assert len(_any(r, "train/kl")) == STEPS  # the frozen reference learner was built
     else:  # losses with their own token diagnostics
-        key = {"gapo": "train/gapo/clip_high", "estr": "train/estr/masked_frac", "sao": "train/sao_clip/out_of_band_frac",
-               "output-reset": "train/output_reset/residual"}.get(name)
+        key = {
+            "gapo": "train/gapo/clip_high",
+            "estr": "train/estr/masked_frac",
+            "sao": "train/sao_clip/out_of_band_frac",
+            "output-reset": "train/output_reset/residual",
+        }.get(name)
         if key is not None:
             assert len(_any(r, key)) == STEPS, sorted(r["steps"][-1])
 
@@ -127,8 +151,10 @@ def test_example_runs_in_the_trainer(name, model, tmp_path_factory):
     if name in UNSUPPORTED:
         pytest.skip(UNSUPPORTED[name])
     res = results(model, tmp_path_factory.getbasetemp())
-    assert name in res, f"no result for {name} ({model}); runner rc={res['__run__']['returncode']}:\n" \
-                        + res["__run__"]["tail"]
+    assert name in res, (
+        f"no result for {name} ({model}); runner rc={res['__run__']['returncode']}:\n"
+        + res["__run__"]["tail"]
+    )
     r = res[name]
     assert "error" not in r, r.get("traceback", r.get("error"))
     assert [s["step"] for s in r["steps"]] == list(range(1, STEPS + 1))

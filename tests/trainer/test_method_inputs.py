@@ -5,7 +5,9 @@ judge tokenizer."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +15,6 @@ import yaml
 
 from megarl.batch import from_sequences
 from megarl.data.tokenizer import CharTokenizer
-from megarl.trainer.config import ConfigError, from_dict
-import asyncio
-from pathlib import Path
-
 from megarl.methods.credit.inputs import single_turn_spans
 from megarl.plugin.context import RunContext
 from megarl.plugin.core_inputs import teacher_hf_config
@@ -27,6 +25,7 @@ from megarl.rewards.shaping.judge import JudgeTokenizer
 from megarl.rewards.shaping.processor import ShapingProcessor
 from megarl.rewards.shaping.reward_floor import words
 from megarl.rollout.workflow import RetryTask
+from megarl.trainer.config import ConfigError, from_dict
 from megarl.trainer.method_runtime import MethodRuntime, required_inputs
 from megarl.trainer.rollouts import apply_episode_structure
 from tests.methods.test_family2_trainer import QUICKSTART, spliced
@@ -37,8 +36,14 @@ BASE = yaml.safe_load(QUICKSTART.read_text())
 def context(cfg) -> RunContext:
     """A run context without learners or engine (batch-side parts only)."""
     tok = CharTokenizer(cfg.model.alphabet)
-    return RunContext(cfg=cfg, tokenizer=tok, hf_config={}, rank0=True, init_dir=Path("unused"),
-                      make_learner=lambda *a, **k: None)
+    return RunContext(
+        cfg=cfg,
+        tokenizer=tok,
+        hf_config={},
+        rank0=True,
+        init_dir=Path("unused"),
+        make_learner=lambda *a, **k: None,
+    )
 
 
 class MethodInputs:
@@ -66,9 +71,17 @@ class RewardShaping:
 
     def __init__(self, cfg, run=None):
         rewards = None
-        self.p = ShapingProcessor(RunContext(cfg=cfg, tokenizer=None, hf_config={}, rank0=True,
-                                             init_dir=Path("unused"), make_learner=lambda *a, **k: None,
-                                             score=rewards))
+        self.p = ShapingProcessor(
+            RunContext(
+                cfg=cfg,
+                tokenizer=None,
+                hf_config={},
+                rank0=True,
+                init_dir=Path("unused"),
+                make_learner=lambda *a, **k: None,
+                score=rewards,
+            )
+        )
 
     def shape(self, r, step):
         r.step = step
@@ -82,37 +95,65 @@ def cfg_with(**sections) -> dict:
     return d
 
 
-@pytest.mark.parametrize("section, msg", [
-    ({"reward": {"shaping": {"name": "amrp", "tau2": 1.0}}}, "reward.shaping.tau2"),
-    ({"reward": {"shaping": {"name": "nope"}}}, "reward.shaping.name='nope'; allowed"),
-    ({"reward": {"shaping": {"name": "amrp", "eta": "high"}}}, "reward.shaping.eta='high' must be a number"),
-    ({"reward": {"shaping": ["amrp"]}}, "reward.shaping"),
-    ({"reward": {"judge": {"timeout_s": 0}}}, "reward.judge.timeout_s=0"),
-    ({"inputs": {"answer_checkpoints": {"pattern": "(unclosed"}}}, "inputs.answer_checkpoints: pattern"),
-    ({"inputs": {"rrpo_scores": {"anchors": 1}}, "advantage": {"estimator": "rrpo"}}, "inputs.rrpo_scores: anchors=1"),
-    ({"inputs": {"rrpo_scores": {"positive_prompt": "{gold} {prompt}"}}}, "inputs.rrpo_scores: positive_prompt"),
-    ({"inputs": {"rrpo_scores": {"head_stepz": 3}}}, "unknown key inputs.rrpo_scores.head_stepz"),
-    ({"inputs": {"nope": {}}}, "no provider for batch input 'nope'"),
-    ({"method": {"name": "nope"}}, "method.name='nope'; built-in methods"),
-    ({"method": {"import": "no_such_pkg.mod:SPEC"}}, "method.import='no_such_pkg.mod:SPEC': cannot import"),
-    ({"environment": {"name": "maze"}}, "environment.name='maze'; allowed"),
-    ({"environment": {"max_turns": 0}}, "environment.max_turns=0"),
-    ({"environment": {"feedback": "{answer}"}}, "environment.feedback"),
-    ({"objective": {"policy_loss": "none", "distill": "forward_kl", "distill_coef": 1.0}},
-     "objective.distill='forward_kl' needs the teacher's full-vocabulary logits"),
-    ({"teacher": {"hf_dirr": "x"}}, "unknown key teacher.hf_dirr"),
-])
+@pytest.mark.parametrize(
+    "section, msg",
+    [
+        ({"reward": {"shaping": {"name": "amrp", "tau2": 1.0}}}, "reward.shaping.tau2"),
+        ({"reward": {"shaping": {"name": "nope"}}}, "reward.shaping.name='nope'; allowed"),
+        (
+            {"reward": {"shaping": {"name": "amrp", "eta": "high"}}},
+            "reward.shaping.eta='high' must be a number",
+        ),
+        ({"reward": {"shaping": ["amrp"]}}, "reward.shaping"),
+        ({"reward": {"judge": {"timeout_s": 0}}}, "reward.judge.timeout_s=0"),
+        ({"inputs": {"answer_checkpoints": {"pattern": "(unclosed"}}}, "inputs.answer_checkpoints: pattern"),
+        (
+            {"inputs": {"rrpo_scores": {"anchors": 1}}, "advantage": {"estimator": "rrpo"}},
+            "inputs.rrpo_scores: anchors=1",
+        ),
+        (
+            {"inputs": {"rrpo_scores": {"positive_prompt": "{gold} {prompt}"}}},
+            "inputs.rrpo_scores: positive_prompt",
+        ),
+        ({"inputs": {"rrpo_scores": {"head_stepz": 3}}}, "unknown key inputs.rrpo_scores.head_stepz"),
+        ({"inputs": {"nope": {}}}, "no provider for batch input 'nope'"),
+        ({"method": {"name": "nope"}}, "method.name='nope'; built-in methods"),
+        (
+            {"method": {"import": "no_such_pkg.mod:SPEC"}},
+            "method.import='no_such_pkg.mod:SPEC': cannot import",
+        ),
+        ({"environment": {"name": "maze"}}, "environment.name='maze'; allowed"),
+        ({"environment": {"max_turns": 0}}, "environment.max_turns=0"),
+        ({"environment": {"feedback": "{answer}"}}, "environment.feedback"),
+        (
+            {"objective": {"policy_loss": "none", "distill": "forward_kl", "distill_coef": 1.0}},
+            "objective.distill='forward_kl' needs the teacher's full-vocabulary logits",
+        ),
+        ({"teacher": {"hf_dirr": "x"}}, "unknown key teacher.hf_dirr"),
+    ],
+)
 def test_bad_method_sections_name_the_key(section, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace("[", r"\[")):
         from_dict(cfg_with(**section))
 
 
-@pytest.mark.parametrize("name, want", [
-    ("gepo", {"entropies"}), ("eppo", {"entropies"}), ("cokl", {"ref_logprobs"}), ("gigpo", {"steps"}),
-    ("pgpo", {"steps"}), ("dash", {"answer_checkpoints"}), ("rspo", {"reward_dims"}), ("rrpo", {"rrpo_scores"}),
-    ("core-grpo", {"ref_logprobs"}), ("core-dapo", set()), ("taco", set()),
-    ("core-onpolicy-distill", {"teacher_logprobs"}),
-])
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("gepo", {"entropies"}),
+        ("eppo", {"entropies"}),
+        ("cokl", {"ref_logprobs"}),
+        ("gigpo", {"steps"}),
+        ("pgpo", {"steps"}),
+        ("dash", {"answer_checkpoints"}),
+        ("rspo", {"reward_dims"}),
+        ("rrpo", {"rrpo_scores"}),
+        ("core-grpo", {"ref_logprobs"}),
+        ("core-dapo", set()),
+        ("taco", set()),
+        ("core-onpolicy-distill", {"teacher_logprobs"}),
+    ],
+)
 def test_required_inputs_of_the_examples(name, want):
     assert set(required_inputs(from_dict(spliced(name)))) == want
 
@@ -174,8 +215,20 @@ def _round(dims: dict[str, list[float]], weights: dict[str, float], texts, promp
     d = {k: torch.tensor(v) for k, v in dims.items()}
     scalar = sum(weights[k] * d[k] for k in d)
     G = len(prompts)
-    return RolloutRound(prompts, ["321"] * G, list(range(G)), [[0]] * G, [[0]] * (G * n), texts, d, scalar, n,
-                        step=1, round=0, weights=dict(weights))
+    return RolloutRound(
+        prompts,
+        ["321"] * G,
+        list(range(G)),
+        [[0]] * G,
+        [[0]] * (G * n),
+        texts,
+        d,
+        scalar,
+        n,
+        step=1,
+        round=0,
+        weights=dict(weights),
+    )
 
 
 def test_reward_floor_on_words_of_the_prompt():
@@ -189,16 +242,25 @@ def test_reward_floor_on_words_of_the_prompt():
 
 
 def test_amrp_and_rubric_dropout_use_the_reward_dimensions():
-    fns = [{"name": "correct", "kind": "exact_match"}, {"name": "format", "kind": "regex", "pattern": "^\\d+$"}]
+    fns = [
+        {"name": "correct", "kind": "exact_match"},
+        {"name": "format", "kind": "regex", "pattern": "^\\d+$"},
+    ]
     dims = {"correct": [0.0, 1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0, 1.0]}
-    amrp = RewardShaping(from_dict(cfg_with(reward={"functions": fns, "shaping": {"name": "amrp"}})), run=None)
+    amrp = RewardShaping(
+        from_dict(cfg_with(reward={"functions": fns, "shaping": {"name": "amrp"}})), run=None
+    )
     out = amrp.shape(_round(dims, {"correct": 1.0, "format": 1.0}, ["a"] * 4, ["R 1=", "R 2="]), step=1)
     w = [out.metrics["shaping/amrp/w/correct"], out.metrics["shaping/amrp/w/format"]]
     assert abs(sum(w) - 1) < 1e-9 and out.scalar.shape == (4,)
-    rd = RewardShaping(from_dict(cfg_with(reward={"functions": fns, "shaping": {"name": "rubric_dropout", "p": 0.5}})),
-                       run=None)
-    got = [rd.shape(_round(dims, {"correct": 1.0, "format": 1.0}, ["a"] * 4, ["R 1=", "R 2="]), step=s)
-           for s in range(1, 9)]
+    rd = RewardShaping(
+        from_dict(cfg_with(reward={"functions": fns, "shaping": {"name": "rubric_dropout", "p": 0.5}})),
+        run=None,
+    )
+    got = [
+        rd.shape(_round(dims, {"correct": 1.0, "format": 1.0}, ["a"] * 4, ["R 1=", "R 2="]), step=s)
+        for s in range(1, 9)
+    ]
     kept = [g.metrics["shaping/rubric_dropout/kept_frac"] for g in got]
     assert min(kept) < 1.0 and all(k > 0 for k in kept)
     for g in got:  # one mask per group: both samples of a group are scored against the same criteria
@@ -224,7 +286,9 @@ def test_retry_task_asks_again_until_correct_or_out_of_turns():
     env = RetryTask(tok, "R 123=", score=lambda t: float(t.strip() == "321"), best=1.0, max_turns=3)
     assert env.reset() == tok.encode("R 123=")
     wrong = env.step(tok.encode("123", bos=False))
-    assert not wrong.done and wrong.reward == 0.0 and wrong.observation_ids == tok.encode(" R 123=", bos=False)
+    assert (
+        not wrong.done and wrong.reward == 0.0 and wrong.observation_ids == tok.encode(" R 123=", bos=False)
+    )
     right = env.step(tok.encode("321", bos=False))
     assert right.done and right.reward == 1.0 and right.observation_ids == []
     env.reset()
@@ -236,8 +300,11 @@ def test_retry_task_asks_again_until_correct_or_out_of_turns():
 def test_episode_structure_masks_observations():
     tok, b = _batch()
     masks = [[1.0, 1.0, 0.0, 0.0, 1.0, 1.0], [1.0], [1.0, 1.0]]
-    spans = [[(0, 7, "prompt"), (7, 9, "assistant"), (9, 11, "observation"), (11, 13, "assistant")],
-             [(0, 7, "prompt"), (7, 8, "assistant")], [(0, 6, "prompt"), (6, 8, "assistant")]]
+    spans = [
+        [(0, 7, "prompt"), (7, 9, "assistant"), (9, 11, "observation"), (11, 13, "assistant")],
+        [(0, 7, "prompt"), (7, 8, "assistant")],
+        [(0, 6, "prompt"), (6, 8, "assistant")],
+    ]
     apply_episode_structure(b, masks, spans)
     assert b.loss_mask[7:13].tolist() == masks[0] and b.turn_spans == spans
     MethodInputs(from_dict(spliced("gigpo"))).fill_batch(b, tok, ["321"] * 3, {})
@@ -252,7 +319,9 @@ def test_teacher_needs_a_checkpoint_with_the_policy_vocabulary(tmp_path):
     cfg = from_dict(spliced("core-onpolicy-distill"))
     with pytest.raises(ValueError, match="needs teacher.hf_dir"):
         teacher_hf_config(cfg, {"vocab_size": 24})
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 32, "eos_token_id": 9}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "vocab_size": 32, "eos_token_id": 9})
+    )
     cfg.teacher.hf_dir = str(tmp_path)
     with pytest.raises(ValueError, match="vocab_size 32 differs from the policy's 24"):
         teacher_hf_config(cfg, {"vocab_size": 24})

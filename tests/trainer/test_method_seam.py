@@ -18,10 +18,31 @@ from megarl.trainer.config import ConfigError, from_dict
 
 ROOT = Path(__file__).parents[2]
 PLUGINS = ROOT / "examples" / "plugins"
-METHOD_NAMES = ("gapo", "eppo", "estr", "sao", "cokl", "output_reset", "softmax_grpo", "gepo", "taco", "dash",
-                "pgpo", "gigpo", "rspo", "amrp", "rrpo", "cedar", "care", "rubric", "reward_floor")
-BASE = {"model": {"hf_config": {"model_type": "qwen3", "vocab_size": 32}, "alphabet": "0123456789R= "},
-        "data": {"train": "unused.jsonl"}}
+METHOD_NAMES = (
+    "gapo",
+    "eppo",
+    "estr",
+    "sao",
+    "cokl",
+    "output_reset",
+    "softmax_grpo",
+    "gepo",
+    "taco",
+    "dash",
+    "pgpo",
+    "gigpo",
+    "rspo",
+    "amrp",
+    "rrpo",
+    "cedar",
+    "care",
+    "rubric",
+    "reward_floor",
+)
+BASE = {
+    "model": {"hf_config": {"model_type": "qwen3", "vocab_size": 32}, "alphabet": "0123456789R= "},
+    "data": {"train": "unused.jsonl"},
+}
 
 
 def test_the_trainer_names_no_method():
@@ -35,9 +56,11 @@ def test_the_trainer_names_no_method():
 
 
 def test_objectives_and_advantages_do_not_import_the_method_families():
-    code = ("import sys, megarl.objectives.rl_objective, megarl.advantages, megarl.registry; "
-            "print(sorted(m for m in sys.modules if m.startswith(('megarl.methods', 'megarl.rewards', "
-            "'megarl.trainer'))))")
+    code = (
+        "import sys, megarl.objectives.rl_objective, megarl.advantages, megarl.registry; "
+        "print(sorted(m for m in sys.modules if m.startswith(('megarl.methods', 'megarl.rewards', "
+        "'megarl.trainer'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -45,7 +68,11 @@ def test_objectives_and_advantages_do_not_import_the_method_families():
 def test_gspo_without_clip_keys_uses_its_own_range():
     own = build_objective({"policy_loss": "gspo"})
     assert own.clip == {"clip_low": 3e-4, "clip_high": 4e-4, "dual_clip": None}
-    assert build_objective({"policy_loss": "ppo"}).clip == {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": None}
+    assert build_objective({"policy_loss": "ppo"}).clip == {
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "dual_clip": None,
+    }
     assert build_objective({"policy_loss": "gspo", "clip_high": 0.01}).clip["clip_high"] == 0.01
     assert from_dict(dict(BASE, objective={"policy_loss": "gspo"})).objective.clip_low is None
     # the loss itself: with a sequence ratio of exp(0.01) GSPO's own range clips, PPO's would not

@@ -16,32 +16,69 @@ import yaml
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
 
-STATEFUL = ("adv/gepo_h_mean", "adv/gepo_h_std", "shaping/amrp/w/correct", "shaping/amrp/w/format",
-            "train/eppo/clip_scale", "train/loss", "train/grad_norm", "reward/mean")
+STATEFUL = (
+    "adv/gepo_h_mean",
+    "adv/gepo_h_std",
+    "shaping/amrp/w/correct",
+    "shaping/amrp/w/format",
+    "train/eppo/clip_scale",
+    "train/loss",
+    "train/grad_norm",
+    "reward/mean",
+)
 
 
 def config(tmp: Path) -> Path:
     d = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
     d["advantage"] = {"estimator": "gepo", "k": 0.5, "beta": 0.9}
-    d["objective"] = {"policy_loss": "eppo", "clip_low": 0.2, "clip_high": 0.28, "aggregation": "token-mean",
-                      "policy_loss_args": {"num_tasks": 4, "momentum": 0.9}}
-    d["reward"] = {"functions": [{"name": "correct", "kind": "exact_match"},
-                                 {"name": "format", "kind": "regex", "pattern": r"^\d+$"}],
-                   "shaping": {"name": "amrp", "eta": 0.5}}
+    d["objective"] = {
+        "policy_loss": "eppo",
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "aggregation": "token-mean",
+        "policy_loss_args": {"num_tasks": 4, "momentum": 0.9},
+    }
+    d["reward"] = {
+        "functions": [
+            {"name": "correct", "kind": "exact_match"},
+            {"name": "format", "kind": "regex", "pattern": r"^\d+$"},
+        ],
+        "shaping": {"name": "amrp", "eta": 0.5},
+    }
     p = tmp / "run.yaml"
     p.write_text(yaml.safe_dump(d))
     return p
 
 
 def train(cfg: Path, tmp: Path, run_dir: Path) -> subprocess.CompletedProcess:
-    args = [f"logging.run_dir={run_dir}", f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}",
-            "data.generate.num_train=100", "data.generate.num_eval=4", "warmup.sft_steps=4", "warmup.batch_size=16",
-            "schedule.steps=3", "schedule.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=6",
-            "schedule.eval_samples=4", "schedule.eval_k=1", "checkpoint.every=2", "checkpoint.keep_last=3",
-            "optimizer.lr_warmup_steps=0", "logging.plot=false"]
-    p = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(cfg), *args], cwd=ROOT, check=False,
-                       env=dict(os.environ, MEGARL_NUM_THREADS="1", PYTHONPATH=str(ROOT)), capture_output=True,
-                       text=True, timeout=480)
+    args = [
+        f"logging.run_dir={run_dir}",
+        f"data.train={tmp / 'train.jsonl'}",
+        f"data.eval={tmp / 'eval.jsonl'}",
+        "data.generate.num_train=100",
+        "data.generate.num_eval=4",
+        "warmup.sft_steps=4",
+        "warmup.batch_size=16",
+        "schedule.steps=3",
+        "schedule.prompts_per_step=4",
+        "rollout.n=4",
+        "rollout.max_new_tokens=6",
+        "schedule.eval_samples=4",
+        "schedule.eval_k=1",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=3",
+        "optimizer.lr_warmup_steps=0",
+        "logging.plot=false",
+    ]
+    p = subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "train", str(cfg), *args],
+        cwd=ROOT,
+        check=False,
+        env=dict(os.environ, MEGARL_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
@@ -55,7 +92,9 @@ def test_resume_restores_estimator_objective_and_shaper_state(tmp_path):
     full = tmp_path / "full"
     train(cfg, tmp_path, full)
     ckpt = full / "checkpoints"
-    assert (ckpt / "step_000002" / "method.pt").is_file() and (ckpt / "step_000002" / "objective.pt").is_file()
+    assert (ckpt / "step_000002" / "method.pt").is_file() and (
+        ckpt / "step_000002" / "objective.pt"
+    ).is_file()
     resumed = tmp_path / "resumed"
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000003")

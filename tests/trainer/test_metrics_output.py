@@ -21,8 +21,15 @@ def test_tensorboard_events_and_resume_purge(tmp_path):
     pytest.importorskip("tensorboard")
     w = MetricsWriter(tmp_path, tensorboard=True)
     for s in (1, 2, 3):
-        w.write({"step": s, "reward/mean": 0.1 * s, "rollout/example": "12", "async/versions": {"0": 4},
-                 "train/loss": float("nan")})
+        w.write(
+            {
+                "step": s,
+                "reward/mean": 0.1 * s,
+                "rollout/example": "12",
+                "async/versions": {"0": 4},
+                "train/loss": float("nan"),
+            }
+        )
     w.close()
     assert scalars(tmp_path / "tensorboard", "reward/mean") == [(1, 0.1), (2, 0.2), (3, 0.3)]
     # resumed from the step-1 checkpoint: steps 2 and 3 are redone, the old ones hidden

@@ -20,16 +20,39 @@ ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
 
 # Metrics that depend only on the data, the samples and the weights (not on timing).
-DETERMINISTIC = ("reward/mean", "reward/std", "train/loss", "train/pg_loss", "train/kl", "train/entropy",
-                 "train/grad_norm", "adv/std", "rollout/response_len")
+DETERMINISTIC = (
+    "reward/mean",
+    "reward/std",
+    "train/loss",
+    "train/pg_loss",
+    "train/kl",
+    "train/entropy",
+    "train/grad_norm",
+    "adv/std",
+    "rollout/response_len",
+)
 
 
 def overrides(tmp: Path, run_dir: Path, steps: int) -> list[str]:
-    return [f"logging.run_dir={run_dir}", f"data.train={tmp / 'train.jsonl'}", f"data.eval={tmp / 'eval.jsonl'}",
-            "data.generate.num_train=300", "data.generate.num_eval=16", "data.generate.digits=3",
-            "warmup.sft_steps=2", "warmup.batch_size=16", f"schedule.steps={steps}", "schedule.prompts_per_step=4",
-            "schedule.mini_batches=2", "rollout.n=4", "schedule.eval_samples=8", "schedule.eval_k=2",
-            "schedule.eval_every=0", "checkpoint.every=2", "checkpoint.keep_last=3"]
+    return [
+        f"logging.run_dir={run_dir}",
+        f"data.train={tmp / 'train.jsonl'}",
+        f"data.eval={tmp / 'eval.jsonl'}",
+        "data.generate.num_train=300",
+        "data.generate.num_eval=16",
+        "data.generate.digits=3",
+        "warmup.sft_steps=2",
+        "warmup.batch_size=16",
+        f"schedule.steps={steps}",
+        "schedule.prompts_per_step=4",
+        "schedule.mini_batches=2",
+        "rollout.n=4",
+        "schedule.eval_samples=8",
+        "schedule.eval_k=2",
+        "schedule.eval_every=0",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=3",
+    ]
 
 
 def train_cmd(args: list[str]) -> list[str]:
@@ -63,7 +86,7 @@ def reference_run(tmp_path_factory):
 
 
 def test_short_run_writes_its_outputs(reference_run):
-    tmp, run_dir, stdout = reference_run
+    _tmp, run_dir, stdout = reference_run
     assert (run_dir / "config.resolved.yaml").is_file()
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     m = metrics(run_dir)
@@ -87,8 +110,14 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(reference_run):
     tmp, ref_dir, _ = reference_run
     run_dir = tmp / "killed"
     args = overrides(tmp, run_dir, steps=3)
-    proc = subprocess.Popen(train_cmd(args), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        train_cmd(args),
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 480
         while not (run_dir / "checkpoints" / "step_000002" / "trainer.json").exists():

@@ -32,13 +32,32 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 def test_quickstart_vllm_tp2_syncs_weights_and_improves_reward(tmp_path):
     require_vllm_python()
     run_dir = tmp_path / "run"
-    args = [f"logging.run_dir={run_dir}", f"data.train={tmp_path / 'train.jsonl'}",
-            f"data.eval={tmp_path / 'eval.jsonl'}", "data.generate.num_eval=16", f"schedule.steps={STEPS}",
-            "schedule.prompts_per_step=16", "schedule.eval_every=0", "schedule.eval_samples=16", "schedule.eval_k=2",
-            "checkpoint.every=100",
-            "logging.plot=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megarl.cli", "train", str(ROOT / "examples" / "quickstart-vllm.yaml"), *args]
+    args = [
+        f"logging.run_dir={run_dir}",
+        f"data.train={tmp_path / 'train.jsonl'}",
+        f"data.eval={tmp_path / 'eval.jsonl'}",
+        "data.generate.num_eval=16",
+        f"schedule.steps={STEPS}",
+        "schedule.prompts_per_step=16",
+        "schedule.eval_every=0",
+        "schedule.eval_samples=16",
+        "schedule.eval_k=2",
+        "checkpoint.every=100",
+        "logging.plot=false",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megarl.cli",
+        "train",
+        str(ROOT / "examples" / "quickstart-vllm.yaml"),
+        *args,
+    ]
     env = dict(os.environ, MEGARL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
@@ -50,14 +69,18 @@ def test_quickstart_vllm_tp2_syncs_weights_and_improves_reward(tmp_path):
     assert sorted(m) == list(range(STEPS + 1))
     for s in range(1, STEPS + 1):
         r = m[s]
-        print(f"step {s}: logprob gap {r['rollout/logprob_gap_old']:.2e}  reward {r['reward/mean']:.3f}  "
-              f"kl_old_ref {r['rollout/kl_old_ref']:.2e}")
+        print(
+            f"step {s}: logprob gap {r['rollout/logprob_gap_old']:.2e}  reward {r['reward/mean']:.3f}  "
+            f"kl_old_ref {r['rollout/kl_old_ref']:.2e}"
+        )
         assert r["rollout/samples"] == 128 and r["train/update_successful"] == 1.0
         assert r["rollout/logprob_gap_old"] < 1e-4, (s, r["rollout/logprob_gap_old"])
         assert 0.0 <= r["reward/mean"] <= 1.0
     assert m[1]["rollout/kl_old_ref"] == pytest.approx(0.0, abs=1e-5)  # step 1: policy == reference
     assert 0.0 < m[1]["reward/mean"] < 1.0  # the warm-up makes some samples right: the policy gets a gradient
-    assert abs(m[3]["rollout/kl_old_ref"]) > 10 * m[3]["rollout/logprob_gap_old"]  # moved, and the server with it
+    assert (
+        abs(m[3]["rollout/kl_old_ref"]) > 10 * m[3]["rollout/logprob_gap_old"]
+    )  # moved, and the server with it
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == [f"v{v:06d}" for v in range(STEPS + 1)]
     assert "eval/pass@1" in m[STEPS]
     first = sum(m[s]["reward/mean"] for s in range(1, 6)) / 5

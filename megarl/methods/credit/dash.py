@@ -9,20 +9,21 @@ Per sequence the batch carries its checkpoints in ``extras``:
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, scalar_rewards, grpo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, scalar_rewards
 from megarl.ops.segments import broadcast_to_tokens
-from megarl.registry import PartInfo
 from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 BOXED = r"\\boxed\{([^{}]*)\}"
 
 
-def answer_checkpoints(token_texts: Sequence[str], prompt_len: int, ground_truth: str,
-                       pattern: str = BOXED) -> list[tuple[int, int]]:
+def answer_checkpoints(
+    token_texts: Sequence[str], prompt_len: int, ground_truth: str, pattern: str = BOXED
+) -> list[tuple[int, int]]:
     """(end position in the sequence, correct) for each answer the response commits to.
 
     ``token_texts``: the decoded text of each *response* token, in order. A match ending inside
@@ -53,8 +54,14 @@ def checkpoints_to_extras(checkpoints: Sequence[Sequence[tuple[int, int]]]) -> d
     return {"dash_ends": ends, "dash_correct": correct}
 
 
-def dash_token_advantages(base: torch.Tensor, ends: torch.Tensor, correct: torch.Tensor,
-                          cu_seqlens: torch.Tensor, beta: float = 0.5, beta_drift: float = 0.5) -> torch.Tensor:
+def dash_token_advantages(
+    base: torch.Tensor,
+    ends: torch.Tensor,
+    correct: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    beta: float = 0.5,
+    beta_drift: float = 0.5,
+) -> torch.Tensor:
     """A_t = base_i + β(2c_k − 1) + β'(c_k − c_{k−1}) for t in segment k; base_i where no checkpoint.
 
     base: [B]; ends, correct: [B, K]; -> [T] (before masking).
@@ -80,11 +87,17 @@ def _dash(batch, beta: float = 0.5, beta_drift: float = 0.5) -> torch.Tensor:
         if key not in batch.extras:
             raise ValueError(f"advantage_estimator=dash needs batch.extras['{key}'] (see answer_checkpoints)")
     base = grpo(scalar_rewards(batch), batch.group_ids)
-    adv = dash_token_advantages(base, batch.extras["dash_ends"], batch.extras["dash_correct"], batch.cu_seqlens,
-                                beta, beta_drift)
+    adv = dash_token_advantages(
+        base, batch.extras["dash_ends"], batch.extras["dash_correct"], batch.cu_seqlens, beta, beta_drift
+    )
     return adv * batch.loss_mask.double()
+
 
 ADVANTAGE_ESTIMATORS.add("dash", _dash, PartInfo(batch_inputs=("answer_checkpoints",)))
 
-SPEC = MethodSpec(name="dash", summary="DASH: segment credit from intermediate answer commitments", provenance="reconstructed",
-                  config={"advantage": {"estimator": "dash"}})
+SPEC = MethodSpec(
+    name="dash",
+    summary="DASH: segment credit from intermediate answer commitments",
+    provenance="reconstructed",
+    config={"advantage": {"estimator": "dash"}},
+)

@@ -13,22 +13,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token, scalar_rewards, grpo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, per_token, scalar_rewards
 from megarl.ops.segments import _dense_groups, segment_sum
-from megarl.registry import PartInfo
 from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 
 @dataclass
 class GEPOHistory:
     """EMA of the mean and of the mean square of group entropies H_g (None until the first batch)."""
 
-    mean: Optional[float] = None
-    sq: Optional[float] = None
+    mean: float | None = None
+    sq: float | None = None
     beta: float = 0.9
 
     def state_dict(self) -> dict:
@@ -41,11 +40,15 @@ class GEPOHistory:
         """The thresholds' running mean and std ({} before the first batch)."""
         if self.mean is None or self.sq is None:
             return {}
-        return {"adv/gepo_h_mean": float(self.mean), "adv/gepo_h_std": float(max(self.sq - self.mean ** 2, 0.0) ** 0.5)}
+        return {
+            "adv/gepo_h_mean": float(self.mean),
+            "adv/gepo_h_std": float(max(self.sq - self.mean**2, 0.0) ** 0.5),
+        }
 
 
-def group_entropy(entropies: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                  group_ids: torch.Tensor) -> torch.Tensor:
+def group_entropy(
+    entropies: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, group_ids: torch.Tensor
+) -> torch.Tensor:
     """Per-sequence H_g: token-mean entropy over all loss tokens of the sequence's group; [T] -> [B]."""
     m = mask.double()
     inv, n = _dense_groups(group_ids)
@@ -54,15 +57,21 @@ def group_entropy(entropies: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch
     return (s / c.clamp(min=1))[inv]
 
 
-def gepo(rewards: torch.Tensor, group_ids: torch.Tensor, h_seq: torch.Tensor, history: GEPOHistory,
-         k: float = 0.5, eps: float = 1e-6) -> torch.Tensor:
+def gepo(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    h_seq: torch.Tensor,
+    history: GEPOHistory,
+    k: float = 0.5,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """GRPO advantages attenuated by the group entropy against history thresholds; updates ``history``.
 
     rewards, group_ids, h_seq (H_g per sequence): [B] -> [B].
     """
     inv, n = _dense_groups(group_ids)
     hg = torch.zeros(n, dtype=torch.float64).index_copy(0, inv, h_seq.double())  # one value per group
-    b_mean, b_sq = float(hg.mean()), float((hg ** 2).mean())
+    b_mean, b_sq = float(hg.mean()), float((hg**2).mean())
     mu, sq = (b_mean, b_sq) if history.mean is None else (history.mean, history.sq)
     sigma = math.sqrt(max(sq - mu * mu, 0.0)) + eps
     lo, hi = mu - k * sigma, mu + k * sigma
@@ -80,17 +89,31 @@ def gepo(rewards: torch.Tensor, group_ids: torch.Tensor, h_seq: torch.Tensor, hi
     return adv
 
 
-def _gepo(batch, k: float = 0.5, beta: float = 0.9, eps: float = 1e-6,
-          state: Optional[GEPOHistory] = None) -> torch.Tensor:
+def _gepo(
+    batch, k: float = 0.5, beta: float = 0.9, eps: float = 1e-6, state: GEPOHistory | None = None
+) -> torch.Tensor:
     """GEPO on every loss token; ``state`` (kept by the caller across steps) defaults to a fresh one."""
     if batch.entropies is None:
-        raise ValueError("advantage_estimator=gepo needs the batch field 'entropies' (behaviour-policy entropy)")
+        raise ValueError(
+            "advantage_estimator=gepo needs the batch field 'entropies' (behaviour-policy entropy)"
+        )
     if state is None:
         state = GEPOHistory(beta=beta)
     h = group_entropy(batch.entropies, batch.loss_mask, batch.cu_seqlens, batch.group_ids)
     return per_token(batch, gepo(scalar_rewards(batch), batch.group_ids, h, state, k, eps))
 
-ADVANTAGE_ESTIMATORS.add("gepo", _gepo, PartInfo(batch_inputs=("entropies",), make_state=lambda k=0.5, beta=0.9, eps=1e-6: GEPOHistory(beta=beta)))
 
-SPEC = MethodSpec(name="gepo", summary="GEPO: GRPO advantages attenuated by the group's entropy", provenance="reconstructed",
-                  config={"advantage": {"estimator": "gepo"}})
+ADVANTAGE_ESTIMATORS.add(
+    "gepo",
+    _gepo,
+    PartInfo(
+        batch_inputs=("entropies",), make_state=lambda k=0.5, beta=0.9, eps=1e-6: GEPOHistory(beta=beta)
+    ),
+)
+
+SPEC = MethodSpec(
+    name="gepo",
+    summary="GEPO: GRPO advantages attenuated by the group's entropy",
+    provenance="reconstructed",
+    config={"advantage": {"estimator": "gepo"}},
+)

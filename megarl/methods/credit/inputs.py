@@ -27,8 +27,9 @@ from megarl.plugin.knobs import Knobs
 def single_turn_spans(batch: PackedBatch) -> list[list[tuple[int, int, str]]]:
     """One ``prompt`` span and one ``assistant`` span (the response) per sequence."""
     lens, plens = batch.seq_lens.tolist(), batch.prompt_lens.tolist()
-    return [[(0, p, "prompt"), (p, n, "assistant")] if n > p else [(0, p, "prompt")]
-            for p, n in zip(plens, lens)]
+    return [
+        [(0, p, "prompt"), (p, n, "assistant")] if n > p else [(0, p, "prompt")] for p, n in zip(plens, lens)
+    ]
 
 
 class StepsFiller:
@@ -57,13 +58,14 @@ class AnswerCheckpointKnobs(Knobs):
             raise ValueError(f"pattern={self.pattern!r} is not a regex: {e}") from None
 
 
-def dash_checkpoint_extras(batch: PackedBatch, tokenizer: Any, answers: Sequence[str],
-                           pattern: str) -> dict[str, torch.Tensor]:
+def dash_checkpoint_extras(
+    batch: PackedBatch, tokenizer: Any, answers: Sequence[str], pattern: str
+) -> dict[str, torch.Tensor]:
     """``dash_ends`` / ``dash_correct`` [B, K] from each response's decoded tokens."""
     cps = []
     for i in range(batch.num_seqs):
         s, e, p = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1]), int(batch.prompt_lens[i])
-        pieces = [tokenizer.decode([t]) for t in batch.tokens[s + p:e].tolist()]
+        pieces = [tokenizer.decode([t]) for t in batch.tokens[s + p : e].tolist()]
         cps.append(answer_checkpoints(pieces, p, answers[i], pattern))
     return checkpoints_to_extras(cps)
 
@@ -77,11 +79,25 @@ class AnswerCheckpointsFiller:
     def fill(self, batch: PackedBatch, info: RolloutInfo) -> dict[str, float]:
         """In place; returns the mean number of checkpoints per sequence."""
         batch.extras.update(dash_checkpoint_extras(batch, self.tok, info.answers, self.pattern))
-        return {"adv/dash_checkpoints_per_seq": float((batch.extras["dash_ends"] >= 0).sum(1).double().mean())}
+        return {
+            "adv/dash_checkpoints_per_seq": float((batch.extras["dash_ends"] >= 0).sum(1).double().mean())
+        }
 
 
-register_provider(InputProvider(("steps",), "batch", lambda ctx, names: StepsFiller(),
-                                summary="turn spans and anchor-state keys per step"))
-register_provider(InputProvider(("answer_checkpoints",), "batch",
-                                lambda ctx, names: AnswerCheckpointsFiller(ctx.tokenizer, ctx.knobs),
-                                knobs=AnswerCheckpointKnobs, summary="intermediate answer commitments"))
+register_provider(
+    InputProvider(
+        ("steps",),
+        "batch",
+        lambda ctx, names: StepsFiller(),
+        summary="turn spans and anchor-state keys per step",
+    )
+)
+register_provider(
+    InputProvider(
+        ("answer_checkpoints",),
+        "batch",
+        lambda ctx, names: AnswerCheckpointsFiller(ctx.tokenizer, ctx.knobs),
+        knobs=AnswerCheckpointKnobs,
+        summary="intermediate answer commitments",
+    )
+)

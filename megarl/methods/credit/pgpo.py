@@ -1,18 +1,25 @@
-"""PGPO: advantages from anchor-state potential differences across trajectories (formula: reference/credit.py)."""
+"""PGPO: advantages from anchor-state potential differences across trajectories
+(formula: reference/credit.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, scalar_rewards, grpo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, scalar_rewards
 from megarl.methods.credit.steps import anchor_groups, batch_steps, discounted_returns, steps_to_tokens
 from megarl.ops.segments import group_mean
-from megarl.registry import PartInfo
 from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 
-def pgpo_step_advantages(batch, gamma: float = 1.0, omega: float = 1.0, normalise: bool = True,
-                         eps: float = 1e-6, role: str = "assistant"):
+def pgpo_step_advantages(
+    batch,
+    gamma: float = 1.0,
+    omega: float = 1.0,
+    normalise: bool = True,
+    eps: float = 1e-6,
+    role: str = "assistant",
+):
     """(steps, per-step advantages [N], episode advantages [B]) of a multi-turn batch."""
     rewards = scalar_rewards(batch)
     steps = batch_steps(batch, role)
@@ -29,13 +36,24 @@ def pgpo_step_advantages(batch, gamma: float = 1.0, omega: float = 1.0, normalis
     return steps, episode[steps.seq] + omega * a_s, episode
 
 
-def _pgpo(batch, gamma: float = 1.0, omega: float = 1.0, normalise: bool = True, eps: float = 1e-6,
-          role: str = "assistant") -> torch.Tensor:
+def _pgpo(
+    batch,
+    gamma: float = 1.0,
+    omega: float = 1.0,
+    normalise: bool = True,
+    eps: float = 1e-6,
+    role: str = "assistant",
+) -> torch.Tensor:
     """PGPO advantage on the tokens of each step; [T]."""
     steps, step_adv, episode = pgpo_step_advantages(batch, gamma, omega, normalise, eps, role)
     return steps_to_tokens(step_adv, episode, steps, batch)
 
+
 ADVANTAGE_ESTIMATORS.add("pgpo", _pgpo, PartInfo(batch_inputs=("steps",)))
 
-SPEC = MethodSpec(name="pgpo", summary="PGPO: step-level advantages on GiGPO's anchor states", provenance="reconstructed",
-                  config={"advantage": {"estimator": "pgpo"}, "environment": {"name": "retry"}})
+SPEC = MethodSpec(
+    name="pgpo",
+    summary="PGPO: step-level advantages on GiGPO's anchor states",
+    provenance="reconstructed",
+    config={"advantage": {"estimator": "pgpo"}, "environment": {"name": "retry"}},
+)

@@ -11,17 +11,17 @@ estimator ``rrpo``. The head's ``state_dict`` goes in checkpoints.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token, grpo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, per_token
 from megarl.ops.segments import segment_masked_mean
-from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.types import SamplingParams
 from megarl.plugin.spec import MethodSpec
 from megarl.registry import PartInfo
+from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.types import SamplingParams
 
 
 class ProjectionHead(torch.nn.Module):
@@ -29,12 +29,14 @@ class ProjectionHead(torch.nn.Module):
 
     def __init__(self, d_in: int, dim: int = 64, hidden: int = 128):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(d_in, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim)
+        )
 
     def forward(self, e: torch.Tensor) -> torch.Tensor:
         return self.net(e)
 
-    def freeze(self) -> "ProjectionHead":
+    def freeze(self) -> ProjectionHead:
         """No gradient reaches φ during policy optimisation."""
         for p in self.parameters():
             p.grad = None
@@ -47,7 +49,7 @@ def supcon_loss(pos: torch.Tensor, neg: torch.Tensor, tau: float = 0.1) -> torch
     if pos.shape[0] < 2:
         raise ValueError(f"rrpo: the set-contrastive loss needs >= 2 positive anchors, got {pos.shape[0]}")
     z = F.normalize(torch.cat([pos, neg]), dim=-1)
-    sim = z[:pos.shape[0]] @ z.T / tau  # [P, P+N]
+    sim = z[: pos.shape[0]] @ z.T / tau  # [P, P+N]
     P = pos.shape[0]
     self_mask = torch.zeros_like(sim, dtype=torch.bool)
     self_mask[torch.arange(P), torch.arange(P)] = True
@@ -57,8 +59,13 @@ def supcon_loss(pos: torch.Tensor, neg: torch.Tensor, tau: float = 0.1) -> torch
     return (log_den - log_num).mean()
 
 
-def train_head(head: ProjectionHead, anchors: Sequence[tuple[torch.Tensor, torch.Tensor]], steps: int = 100,
-               lr: float = 1e-2, tau: float = 0.1) -> list[float]:
+def train_head(
+    head: ProjectionHead,
+    anchors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    steps: int = 100,
+    lr: float = 1e-2,
+    tau: float = 0.1,
+) -> list[float]:
     """Adam on the mean set-contrastive loss over prompts' (pos [P, d_in], neg [N, d_in]) anchor
     embeddings; returns the loss per step."""
     opt = torch.optim.Adam(head.parameters(), lr=lr)
@@ -73,7 +80,9 @@ def train_head(head: ProjectionHead, anchors: Sequence[tuple[torch.Tensor, torch
 
 
 @torch.no_grad()
-def anchor_scores(head: ProjectionHead, resp: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+def anchor_scores(
+    head: ProjectionHead, resp: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor
+) -> torch.Tensor:
     """S = mean cos(f(y), f(P)) − mean cos(f(y), f(N)); resp [B, d_in] -> [B] (no gradient)."""
     y, p, n = (F.normalize(head(x), dim=-1) for x in (resp, pos, neg))
     s = (y @ p.T).mean(-1)
@@ -82,11 +91,18 @@ def anchor_scores(head: ProjectionHead, resp: torch.Tensor, pos: torch.Tensor, n
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Per-sequence mean of a hidden state over its loss tokens: [T, d] -> [B, d]."""
-    return torch.stack([segment_masked_mean(hidden[:, j], mask, cu_seqlens) for j in range(hidden.shape[1])], -1)
+    return torch.stack(
+        [segment_masked_mean(hidden[:, j], mask, cu_seqlens) for j in range(hidden.shape[1])], -1
+    )
 
 
-async def sample_anchors(engine: RolloutEngine, pos_prompt_ids: Sequence[int], neg_prompt_ids: Sequence[int],
-                         n: int = 4, sampling: SamplingParams | None = None) -> tuple[list, list]:
+async def sample_anchors(
+    engine: RolloutEngine,
+    pos_prompt_ids: Sequence[int],
+    neg_prompt_ids: Sequence[int],
+    n: int = 4,
+    sampling: SamplingParams | None = None,
+) -> tuple[list, list]:
     """Stratified conditional rollouts: ``n`` continuations of the prompt with a gold hint
     (positives) and ``n`` of the prompt with a corrupted hint (negatives); token-id lists."""
     sp = sampling or SamplingParams()
@@ -101,7 +117,12 @@ def _rrpo(batch, scale_by_std: bool = False) -> torch.Tensor:
         raise ValueError("advantage_estimator=rrpo needs batch.extras['rrpo_scores'] (see anchor_scores)")
     return per_token(batch, grpo(batch.extras["rrpo_scores"].double(), batch.group_ids, scale_by_std))
 
+
 ADVANTAGE_ESTIMATORS.add("rrpo", _rrpo, PartInfo(batch_inputs=("rrpo_scores",)))
 
-SPEC = MethodSpec(name="rrpo", summary="RRPO: advantages from a contrastive anchor-alignment score", provenance="reconstructed",
-                  config={"advantage": {"estimator": "rrpo"}})
+SPEC = MethodSpec(
+    name="rrpo",
+    summary="RRPO: advantages from a contrastive anchor-alignment score",
+    provenance="reconstructed",
+    config={"advantage": {"estimator": "rrpo"}},
+)

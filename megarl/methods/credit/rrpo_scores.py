@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from megarl.methods.credit.rrpo import ProjectionHead, anchor_scores, sample_anchors, train_head
 from megarl.plugin.inputs import InputProvider, register_provider
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.rounds import RolloutRound, RoundResult
-from megarl.methods.credit.rrpo import ProjectionHead, anchor_scores, sample_anchors, train_head
 
 
 def corrupt_answer(answer: str) -> str:
@@ -33,8 +33,9 @@ def corrupt_answer(answer: str) -> str:
 
 
 @torch.no_grad()
-def embed_responses(model: torch.nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]]
-                    ) -> torch.Tensor:
+def embed_responses(
+    model: torch.nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]]
+) -> torch.Tensor:
     """Mean last hidden state over each response's tokens in the context of ``prompt_ids``: [n, H]."""
     out = []
     P = len(prompt_ids)
@@ -65,14 +66,17 @@ class RRPOKnobs(Knobs):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be > 0")
         if self.anchors < 2:
-            raise ValueError(f"anchors={self.anchors} must be >= 2 (the set-contrastive loss needs 2 positive "
-                             "anchors)")
+            raise ValueError(
+                f"anchors={self.anchors} must be >= 2 (the set-contrastive loss needs 2 positive anchors)"
+            )
         for key in ("positive_prompt", "negative_prompt"):
             try:
                 getattr(self, key).format(prompt="", answer="", wrong="")
             except (KeyError, IndexError, ValueError) as e:
-                raise ValueError(f"{key}={getattr(self, key)!r}: only {{prompt}}, {{answer}} and {{wrong}} may be "
-                                 f"used ({e!r})") from None
+                raise ValueError(
+                    f"{key}={getattr(self, key)!r}: only {{prompt}}, {{answer}} and {{wrong}} may be "
+                    f"used ({e!r})"
+                ) from None
 
 
 class RRPOScorer:
@@ -80,8 +84,15 @@ class RRPOScorer:
     holds the head. ``model``: the engine's in-process HF model (the embedded engine);
     ``sampling(step, round, index)``: the run's sampling parameters."""
 
-    def __init__(self, knobs: RRPOKnobs, hidden_size: int, seed: int, engine: Any = None, tokenizer: Any = None,
-                 sampling: Any = None):
+    def __init__(
+        self,
+        knobs: RRPOKnobs,
+        hidden_size: int,
+        seed: int,
+        engine: Any = None,
+        tokenizer: Any = None,
+        sampling: Any = None,
+    ):
         self.cfg = knobs
         self.engine, self.tok, self.sampling = engine, tokenizer, sampling
         with torch.random.fork_rng():
@@ -97,13 +108,31 @@ class RRPOScorer:
 
     async def process(self, r: RolloutRound) -> RoundResult:
         """Scores [G * n] of the round's responses in ``extras["rrpo_scores"]`` and the head's metrics."""
-        scores, m = await self.scores(self.engine.model, self.engine, self.tok, r.prompt_ids, r.prompts, r.answers,
-                                      r.response_ids, r.n, self.sampling(r.step, r.round + 1000, 0))
+        scores, m = await self.scores(
+            self.engine.model,
+            self.engine,
+            self.tok,
+            r.prompt_ids,
+            r.prompts,
+            r.answers,
+            r.response_ids,
+            r.n,
+            self.sampling(r.step, r.round + 1000, 0),
+        )
         return RoundResult(extras={"rrpo_scores": scores}, metrics=m)
 
-    async def scores(self, model: torch.nn.Module, engine: Any, tok: Any, prompt_ids: Sequence[Sequence[int]],
-                     prompts: Sequence[str], answers: Sequence[str], response_ids: Sequence[Sequence[int]], n: int,
-                     sampling: Any) -> tuple[list[float], dict]:
+    async def scores(
+        self,
+        model: torch.nn.Module,
+        engine: Any,
+        tok: Any,
+        prompt_ids: Sequence[Sequence[int]],
+        prompts: Sequence[str],
+        answers: Sequence[str],
+        response_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: Any,
+    ) -> tuple[list[float], dict]:
         """Scores [G * n] of one round's responses (``n`` per prompt, prompts in order) and metrics."""
         c = self.cfg
         anchors, resp_emb = [], []
@@ -112,7 +141,7 @@ class RRPOScorer:
             neg_ids = self._anchor_prompt(c.negative_prompt, "negative_prompt", tok, p, a)
             pos, neg = await sample_anchors(engine, pos_ids, neg_ids, n=c.anchors, sampling=sampling)
             anchors.append((embed_responses(model, p_ids, pos), embed_responses(model, p_ids, neg)))
-            resp_emb.append(embed_responses(model, p_ids, response_ids[g * n:(g + 1) * n]))
+            resp_emb.append(embed_responses(model, p_ids, response_ids[g * n : (g + 1) * n]))
         for q in self.head.parameters():
             q.requires_grad_(True)
         self.head.train()
@@ -122,8 +151,12 @@ class RRPOScorer:
         for (pos, neg), emb in zip(anchors, resp_emb):
             out += anchor_scores(self.head, emb, pos, neg).tolist()
         s = torch.tensor(out)
-        return out, {"rrpo/head_loss_first": hist[0], "rrpo/head_loss_last": hist[-1],
-                     "rrpo/score_mean": float(s.mean()), "rrpo/score_std": float(s.std()) if s.numel() > 1 else 0.0}
+        return out, {
+            "rrpo/head_loss_first": hist[0],
+            "rrpo/head_loss_last": hist[-1],
+            "rrpo/score_mean": float(s.mean()),
+            "rrpo/score_std": float(s.std()) if s.numel() > 1 else 0.0,
+        }
 
     def state_dict(self) -> dict:
         """The projection head's weights."""
@@ -138,11 +171,26 @@ def build_scorer(ctx: Any, names: frozenset) -> RRPOScorer:
     """The round provider of ``rrpo_scores``: needs the embedded engine (anchors and rollouts are
     embedded with its in-process model)."""
     if ctx.cfg.rollout.engine != "embedded":
-        raise ValueError("the rrpo_scores input (advantage.estimator=rrpo) needs rollout.engine: embedded (the "
-                         "anchors and rollouts are embedded with the engine's in-process model)")
-    return RRPOScorer(ctx.knobs, int(ctx.hf_config["hidden_size"]), ctx.cfg.model.seed, ctx.engine, ctx.tokenizer,
-                      ctx.sampling)
+        raise ValueError(
+            "the rrpo_scores input (advantage.estimator=rrpo) needs rollout.engine: embedded (the "
+            "anchors and rollouts are embedded with the engine's in-process model)"
+        )
+    return RRPOScorer(
+        ctx.knobs,
+        int(ctx.hf_config["hidden_size"]),
+        ctx.cfg.model.seed,
+        ctx.engine,
+        ctx.tokenizer,
+        ctx.sampling,
+    )
 
 
-register_provider(InputProvider(("rrpo_scores",), "round", build_scorer, knobs=RRPOKnobs,
-                                summary="RRPO's anchor-alignment scores (rank 0, each round)"))
+register_provider(
+    InputProvider(
+        ("rrpo_scores",),
+        "round",
+        build_scorer,
+        knobs=RRPOKnobs,
+        summary="RRPO's anchor-alignment scores (rank 0, each round)",
+    )
+)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token, dr_grpo, grpo, rloo
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, dr_grpo, grpo, per_token, rloo
 from megarl.ops.segments import group_all_equal, segment_sum
 from megarl.plugin.spec import MethodSpec
 from megarl.registry import PartInfo
@@ -17,8 +17,13 @@ from megarl.registry import PartInfo
 BASES = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
 
 
-def rspo(outcome: torch.Tensor, process: torch.Tensor, group_ids: torch.Tensor, base: str = "grpo",
-         reading: str = "A") -> torch.Tensor:
+def rspo(
+    outcome: torch.Tensor,
+    process: torch.Tensor,
+    group_ids: torch.Tensor,
+    base: str = "grpo",
+    reading: str = "A",
+) -> torch.Tensor:
     """Reading A: base(outcome) where the group's outcomes differ, base(process) elsewhere;
     reading B: base(outcome) everywhere. [B] -> [B]."""
     if base not in BASES:
@@ -39,7 +44,7 @@ def rspo_keep(process: torch.Tensor, group_ids: torch.Tensor, keep: int) -> torc
     order = torch.argsort(process.double() + 0.0, stable=True)
     order = order[torch.argsort(group_ids[order], stable=True)]  # grouped, by process reward within a group
     gids_sorted = group_ids[order]
-    uniq, counts = torch.unique_consecutive(gids_sorted, return_counts=True)
+    _uniq, counts = torch.unique_consecutive(gids_sorted, return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
     kept = []
     for s, n in zip(starts.tolist(), counts.tolist()):
@@ -64,17 +69,25 @@ def outcome_and_process(batch, outcome: str, process: str) -> tuple[torch.Tensor
     if process in names:
         return out, r[:, names.index(process)].double()
     if batch.token_rewards is None:
-        raise ValueError(f"rspo: process reward {process!r} not in reward_names {names} and no 'token_rewards'")
+        raise ValueError(
+            f"rspo: process reward {process!r} not in reward_names {names} and no 'token_rewards'"
+        )
     return out, segment_sum(batch.token_rewards.double() * batch.loss_mask.double(), batch.cu_seqlens)
 
 
-def _rspo(batch, base: str = "grpo", reading: str = "A", outcome: str = "outcome",
-          process: str = "process") -> torch.Tensor:
+def _rspo(
+    batch, base: str = "grpo", reading: str = "A", outcome: str = "outcome", process: str = "process"
+) -> torch.Tensor:
     """RSPO on every loss token; [T]."""
     out, proc = outcome_and_process(batch, outcome, process)
     return per_token(batch, rspo(out, proc, batch.group_ids, base, reading))
 
+
 ADVANTAGE_ESTIMATORS.add("rspo", _rspo, PartInfo(batch_inputs=("reward_dims",)))
 
-SPEC = MethodSpec(name="rspo", summary="RSPO: reward swap between outcome and process rewards", provenance="reconstructed",
-                  config={"advantage": {"estimator": "rspo"}})
+SPEC = MethodSpec(
+    name="rspo",
+    summary="RSPO: reward swap between outcome and process rewards",
+    provenance="reconstructed",
+    config={"advantage": {"estimator": "rspo"}},
+)

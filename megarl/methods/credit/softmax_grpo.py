@@ -6,8 +6,8 @@ import torch
 
 from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token, scalar_rewards
 from megarl.ops.segments import _dense_groups, group_all_equal
-from megarl.registry import PartInfo
 from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 
 def softmax_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -31,7 +31,12 @@ def _softmax_grpo(batch, temperature: float = 1.0) -> torch.Tensor:
     """SoftmaxGRPO on every loss token of each sequence; [T]."""
     return per_token(batch, softmax_grpo(scalar_rewards(batch), batch.group_ids, temperature))
 
+
 ADVANTAGE_ESTIMATORS.add("softmax_grpo", _softmax_grpo, PartInfo())
 
-SPEC = MethodSpec(name="softmax_grpo", summary="SoftmaxGRPO: softmax-weighted group advantages", provenance="reconstructed",
-                  config={"advantage": {"estimator": "softmax_grpo"}})
+SPEC = MethodSpec(
+    name="softmax_grpo",
+    summary="SoftmaxGRPO: softmax-weighted group advantages",
+    provenance="reconstructed",
+    config={"advantage": {"estimator": "softmax_grpo"}},
+)

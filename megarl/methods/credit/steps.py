@@ -32,13 +32,15 @@ def anchor_state_keys(batch: PackedBatch, role: str = "assistant") -> torch.Tens
         keys, prev = [], None
         for s, e, r in spans:
             if r == role:
-                keys.append(state_key(batch.tokens[start + prev[0]:start + prev[1]].tolist()) if prev else 0)
+                keys.append(
+                    state_key(batch.tokens[start + prev[0] : start + prev[1]].tolist()) if prev else 0
+                )
             prev = (s, e)
         rows.append(keys)
     S = max([len(r) for r in rows] + [1])
     out = torch.full((len(rows), S), -1, dtype=torch.long)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out
 
 
@@ -64,9 +66,11 @@ def batch_steps(batch: PackedBatch, role: str = "assistant") -> Steps:
     spans = [[(s, e) for s, e, r in sp if r == role] for sp in batch.turn_spans]
     counts = (keys >= 0).sum(1)
     for i, sp in enumerate(spans):
-        if len(sp) != int(counts[i]) or bool((keys[i, :len(sp)] < 0).any()):
-            raise ValueError(f"extras.step_state_keys, sequence {i}: {int(counts[i])} keys for {len(sp)} "
-                             f"'{role}' spans (keys must be >= 0 and fill the first positions)")
+        if len(sp) != int(counts[i]) or bool((keys[i, : len(sp)] < 0).any()):
+            raise ValueError(
+                f"extras.step_state_keys, sequence {i}: {int(counts[i])} keys for {len(sp)} "
+                f"'{role}' spans (keys must be >= 0 and fill the first positions)"
+            )
     valid = keys >= 0
     seq, index = valid.nonzero(as_tuple=True)
     rewards = torch.as_tensor(batch.rewards).double()
@@ -97,7 +101,9 @@ def anchor_groups(group_ids: torch.Tensor, steps: Steps) -> torch.Tensor:
     return torch.unique(pairs, dim=0, return_inverse=True)[1]
 
 
-def steps_to_tokens(step_adv: torch.Tensor, episode_adv: torch.Tensor, steps: Steps, batch: PackedBatch) -> torch.Tensor:
+def steps_to_tokens(
+    step_adv: torch.Tensor, episode_adv: torch.Tensor, steps: Steps, batch: PackedBatch
+) -> torch.Tensor:
     """[T]: each step's advantage on the tokens of its span, the episode advantage on other loss tokens."""
     from megarl.ops.segments import broadcast_to_tokens
 
@@ -106,6 +112,6 @@ def steps_to_tokens(step_adv: torch.Tensor, episode_adv: torch.Tensor, steps: St
     for i, sp in enumerate(steps.spans):
         start = int(batch.cu_seqlens[i])
         for s, e in sp:
-            out[start + s:start + e] = step_adv[n]
+            out[start + s : start + e] = step_adv[n]
             n += 1
     return out * batch.loss_mask.double()

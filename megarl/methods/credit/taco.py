@@ -17,11 +17,13 @@ import math
 import torch
 
 from megarl.objectives.policy_losses import POLICY_LOSSES
-from megarl.registry import PartInfo
 from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 
-def taco_weights(logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01, lam: float = 0.9) -> torch.Tensor:
+def taco_weights(
+    logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01, lam: float = 0.9
+) -> torch.Tensor:
     """w = 1 where r = −logp − H + log α ≤ 0, else 1 − λ(1 − e^{−r}); [T], [T] -> [T], no gradient."""
     if not alpha > 0:
         raise ValueError(f"taco: alpha={alpha!r} must be > 0")
@@ -32,23 +34,44 @@ def taco_weights(logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01,
         return torch.where(r > 0, 1.0 - lam * (1.0 - torch.exp(-r.clamp(min=0))), torch.ones_like(r))
 
 
-def taco_advantages(adv: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01,
-                    lam: float = 0.9) -> torch.Tensor:
+def taco_advantages(
+    adv: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, alpha: float = 0.01, lam: float = 0.9
+) -> torch.Tensor:
     """Ã = w·A on tokens with A > 0, A elsewhere; [T] each."""
     w = taco_weights(logp.detach(), entropy.detach(), alpha, lam).to(adv.dtype)
     return torch.where(adv > 0, w * adv, adv)
 
 
-def taco(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
-         entropy: torch.Tensor, base: str = "ppo", alpha: float = 0.01, lam: float = 0.9, **base_args):
+def taco(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    cu_seqlens,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=None,
+    *,
+    entropy: torch.Tensor,
+    base: str = "ppo",
+    alpha: float = 0.01,
+    lam: float = 0.9,
+    **base_args,
+):
     """The ``base`` policy loss on TACO-calibrated advantages; [T]."""
     if base == "taco":
         raise ValueError("taco: base must be another policy loss")
     shaped = taco_advantages(adv, logp, entropy, alpha, lam)
-    return POLICY_LOSSES.get(base)(logp, old_logp, shaped, mask, cu_seqlens, clip_low, clip_high, dual_clip,
-                                   **base_args)
+    return POLICY_LOSSES.get(base)(
+        logp, old_logp, shaped, mask, cu_seqlens, clip_low, clip_high, dual_clip, **base_args
+    )
+
 
 POLICY_LOSSES.add("taco", taco, PartInfo(needs_entropy=True))
 
-SPEC = MethodSpec(name="taco", summary="TACO: token advantages weighted by confidence and entropy", provenance="code",
-                  config={"objective": {"policy_loss": "taco"}})
+SPEC = MethodSpec(
+    name="taco",
+    summary="TACO: token advantages weighted by confidence and entropy",
+    provenance="code",
+    config={"objective": {"policy_loss": "taco"}},
+)

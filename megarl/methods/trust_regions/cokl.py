@@ -27,8 +27,8 @@ from megarl.batch import PackedBatch
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops import comm
 from megarl.ops.segments import broadcast_to_tokens, segment_sum
-from megarl.registry import PartInfo
 from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 VALUE, WEIGHT = "cokl_value", "cokl_grad_weight"
 
@@ -38,8 +38,10 @@ def correct_mask(batch: PackedBatch, correct_threshold: float) -> torch.Tensor:
     if "correct" in batch.extras:
         return batch.extras["correct"].bool()
     if batch.rewards is None or batch.rewards.dim() != 1:
-        raise ValueError("cokl needs batch.extras['correct'] ([B] bool) or scalar batch.rewards [B] "
-                         f"(got rewards of shape {None if batch.rewards is None else tuple(batch.rewards.shape)})")
+        raise ValueError(
+            "cokl needs batch.extras['correct'] ([B] bool) or scalar batch.rewards [B] "
+            f"(got rewards of shape {None if batch.rewards is None else tuple(batch.rewards.shape)})"
+        )
     return batch.rewards >= correct_threshold
 
 
@@ -47,8 +49,10 @@ def _first_of_duplicates(batch: PackedBatch) -> torch.Tensor:
     """[B] bool: False for a response whose tokens already appeared earlier in the same group."""
     keep, seen = [], set()
     starts, lens = batch.cu_seqlens[:-1].tolist(), batch.seq_lens.tolist()
-    for i, (st, n, p, g) in enumerate(zip(starts, lens, batch.prompt_lens.tolist(), batch.group_ids.tolist())):
-        key = (g, tuple(batch.tokens[st + p:st + n].tolist()))
+    for _i, (st, n, p, g) in enumerate(
+        zip(starts, lens, batch.prompt_lens.tolist(), batch.group_ids.tolist())
+    ):
+        key = (g, tuple(batch.tokens[st + p : st + n].tolist()))
         keep.append(key not in seen)
         seen.add(key)
     return torch.tensor(keep, dtype=torch.bool)
@@ -63,14 +67,24 @@ def _group_log_softmax(z: torch.Tensor, member: torch.Tensor, inv: torch.Tensor,
     return zm - zmax[inv] - torch.log(denom.clamp(min=torch.finfo(z.dtype).tiny))[inv]
 
 
-def prepare(batch: PackedBatch, dp_group: Any, state: Any = None, *, correct_threshold: float = 1.0,
-            temperature: float = 1.0, length_normalise: bool = False, dedup: bool = True) -> PackedBatch:
+def prepare(
+    batch: PackedBatch,
+    dp_group: Any,
+    state: Any = None,
+    *,
+    correct_threshold: float = 1.0,
+    temperature: float = 1.0,
+    length_normalise: bool = False,
+    dedup: bool = True,
+) -> PackedBatch:
     """Per-sequence CoKL value shares and gradient weights at the old log-probs -> batch.extras."""
     if not temperature > 0:
         raise ValueError(f"cokl: temperature={temperature!r} must be > 0")
     old = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
     if old is None or batch.ref_logprobs is None:
-        raise ValueError("cokl needs the batch fields 'ref_logprobs' and 'old_logprobs' (or 'rollout_logprobs')")
+        raise ValueError(
+            "cokl needs the batch fields 'ref_logprobs' and 'old_logprobs' (or 'rollout_logprobs')"
+        )
     dt = torch.float64
     m = batch.loss_mask.to(dt)
     n = segment_sum(m, batch.cu_seqlens)
@@ -102,13 +116,22 @@ def prepare(batch: PackedBatch, dp_group: Any, state: Any = None, *, correct_thr
 def cokl(logits, logp, old_logp, batch: PackedBatch, ctx, **knobs) -> torch.Tensor:
     """This micro-batch's CoKL contribution (a scalar; see the module docstring)."""
     if VALUE not in batch.extras or WEIGHT not in batch.extras:
-        raise ValueError("cokl: batch.extras has no 'cokl_value'/'cokl_grad_weight': call "
-                         "objective.prepare(batch, dp_group) on the whole batch before splitting it")
+        raise ValueError(
+            "cokl: batch.extras has no 'cokl_value'/'cokl_grad_weight': call "
+            "objective.prepare(batch, dp_group) on the whole batch before splitting it"
+        )
     w = broadcast_to_tokens(batch.extras[WEIGHT].to(logp.dtype), batch.cu_seqlens)
     m = batch.loss_mask.to(logp.dtype)
     return batch.extras[VALUE].to(logp.dtype).sum() + (m * w * (logp - old_logp)).sum()
 
-REGULARISERS.add("cokl", cokl, PartInfo(batch_inputs=("ref_logprobs",), prepare=prepare, aggregates_itself=True))
 
-SPEC = MethodSpec(name="cokl", summary="CoKL: a group-contrastive KL regulariser to the reference", provenance="reconstructed",
-                  config={"objective": {"regularisers": [{"name": "cokl", "coef": 0.1}]}})
+REGULARISERS.add(
+    "cokl", cokl, PartInfo(batch_inputs=("ref_logprobs",), prepare=prepare, aggregates_itself=True)
+)
+
+SPEC = MethodSpec(
+    name="cokl",
+    summary="CoKL: a group-contrastive KL regulariser to the reference",
+    provenance="reconstructed",
+    config={"objective": {"regularisers": [{"name": "cokl", "coef": 0.1}]}},
+)

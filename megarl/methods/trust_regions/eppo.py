@@ -20,8 +20,8 @@ from megarl.batch import PackedBatch
 from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.ops import comm
 from megarl.ops.segments import broadcast_to_tokens, segment_sum
-from megarl.registry import PartInfo
 from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 SCALE = "eppo_scale"
 
@@ -57,17 +57,23 @@ class EppoState:
             ref = torch.full_like(self.ema, float(self.ema[self.seen].mean()) if self.seen.any() else 0.0)
         ok = self.seen & (ref > 0)
         ratio = torch.where(ok, self.ema / torch.where(ok, ref, torch.ones_like(ref)), torch.ones_like(ref))
-        return torch.where(ok, torch.clamp(ratio ** kappa, c_min, c_max), torch.ones_like(ref))
+        return torch.where(ok, torch.clamp(ratio**kappa, c_min, c_max), torch.ones_like(ref))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema": self.ema.clone(), "initial": self.initial.clone(), "seen": self.seen.clone(),
-                "updates": self.updates}
+        return {
+            "ema": self.ema.clone(),
+            "initial": self.initial.clone(),
+            "seen": self.seen.clone(),
+            "updates": self.updates,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in ("ema", "initial", "seen"):
             if tuple(state[k].shape) != tuple(self.ema.shape):
-                raise ValueError(f"eppo state '{k}' has shape {tuple(state[k].shape)}, this objective has "
-                                 f"num_tasks={self.ema.numel()}")
+                raise ValueError(
+                    f"eppo state '{k}' has shape {tuple(state[k].shape)}, this objective has "
+                    f"num_tasks={self.ema.numel()}"
+                )
         self.ema, self.initial = state["ema"].double().clone(), state["initial"].double().clone()
         self.seen, self.updates = state["seen"].bool().clone(), int(state["updates"])
 
@@ -76,7 +82,9 @@ def _check(momentum, kappa, c_min, c_max, h_ref):
     if not 0 <= momentum < 1:
         raise ValueError(f"eppo: policy_loss_args.momentum={momentum!r} must be in [0, 1)")
     if not 0 < c_min <= 1 <= c_max:
-        raise ValueError(f"eppo: policy_loss_args c_min={c_min!r}, c_max={c_max!r} need 0 < c_min <= 1 <= c_max")
+        raise ValueError(
+            f"eppo: policy_loss_args c_min={c_min!r}, c_max={c_max!r} need 0 < c_min <= 1 <= c_max"
+        )
     if h_ref not in ("mean", "initial"):
         raise ValueError(f"eppo: policy_loss_args.h_ref={h_ref!r}; allowed: mean, initial")
     if not kappa >= 0:
@@ -88,19 +96,36 @@ def make_state(*, num_tasks: int = 16, **_) -> EppoState:
     return EppoState(num_tasks)
 
 
-def prepare(batch: PackedBatch, dp_group: Any, state: EppoState, *, num_tasks: int = 16, momentum: float = 0.9,
-            kappa: float = 1.0, c_min: float = 0.5, c_max: float = 2.0, h_ref: str = "mean", **_) -> PackedBatch:
+def prepare(
+    batch: PackedBatch,
+    dp_group: Any,
+    state: EppoState,
+    *,
+    num_tasks: int = 16,
+    momentum: float = 0.9,
+    kappa: float = 1.0,
+    c_min: float = 0.5,
+    c_max: float = 2.0,
+    h_ref: str = "mean",
+    **_,
+) -> PackedBatch:
     """Update the per-task entropy EMA with this step's global batch; extras['eppo_scale'] [B]."""
     _check(momentum, kappa, c_min, c_max, h_ref)
     unknown = sorted(set(_) - {"adapt_low"})
     if unknown:
-        raise ValueError(f"eppo: unknown policy_loss_args {unknown}; allowed: num_tasks, momentum, kappa, c_min, "
-                         "c_max, h_ref, adapt_low")
+        raise ValueError(
+            f"eppo: unknown policy_loss_args {unknown}; allowed: num_tasks, momentum, kappa, c_min, "
+            "c_max, h_ref, adapt_low"
+        )
     if batch.entropies is None:
-        raise ValueError("eppo needs the batch field 'entropies' ([T] full-vocab entropy of the old policy: "
-                         "learner.compute_logprobs(batch, with_entropy=True))")
+        raise ValueError(
+            "eppo needs the batch field 'entropies' ([T] full-vocab entropy of the old policy: "
+            "learner.compute_logprobs(batch, with_entropy=True))"
+        )
     K = state.ema.numel()
-    tid = batch.task_ids if batch.task_ids is not None else torch.full((batch.num_seqs,), -1, dtype=torch.long)
+    tid = (
+        batch.task_ids if batch.task_ids is not None else torch.full((batch.num_seqs,), -1, dtype=torch.long)
+    )
     if tid.numel() and int(tid.max()) >= K:
         seq = int((tid >= K).nonzero()[0])
         raise ValueError(f"eppo: task_ids[{seq}]={int(tid[seq])} is >= policy_loss_args.num_tasks={K}")
@@ -121,13 +146,28 @@ def prepare(batch: PackedBatch, dp_group: Any, state: EppoState, *, num_tasks: i
 
 def _token_scale(batch: PackedBatch, cu_seqlens, dtype):
     if SCALE not in batch.extras:
-        raise ValueError("eppo: batch.extras has no 'eppo_scale': call objective.prepare(batch, dp_group) on the "
-                         "whole batch before splitting it into micro-batches")
+        raise ValueError(
+            "eppo: batch.extras has no 'eppo_scale': call objective.prepare(batch, dp_group) on the "
+            "whole batch before splitting it into micro-batches"
+        )
     return broadcast_to_tokens(batch.extras[SCALE].to(dtype), cu_seqlens)
 
 
-def eppo(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
-         batch: PackedBatch, ctx=None, adapt_low: bool = True, **_) -> torch.Tensor:
+def eppo(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    cu_seqlens,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=None,
+    *,
+    batch: PackedBatch,
+    ctx=None,
+    adapt_low: bool = True,
+    **_,
+) -> torch.Tensor:
     """PPO clip with bounds (1 − ε_l·c_k, 1 + ε_h·c_k) of the sample's task k; [T] -> [T]."""
     c = _token_scale(batch, cu_seqlens, logp.dtype)
     lo = clip_low * c if adapt_low else torch.full_like(c, clip_low)
@@ -138,12 +178,39 @@ def eppo(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, du
     return loss
 
 
-def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
-                   batch: PackedBatch, ctx=None, **_) -> dict[str, torch.Tensor]:
+def _token_metrics(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    cu_seqlens,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=None,
+    *,
+    batch: PackedBatch,
+    ctx=None,
+    **_,
+) -> dict[str, torch.Tensor]:
     """Mean task clip multiplier per token."""
     return {"clip_scale": _token_scale(batch, cu_seqlens, logp.dtype)}
 
-POLICY_LOSSES.add("eppo", eppo, PartInfo(batch_inputs=("entropies",), needs_context=True, make_state=make_state, prepare=prepare, token_metrics=_token_metrics))
 
-SPEC = MethodSpec(name="eppo", summary="EPPO: task-wise clip ranges from running task entropies", provenance="reconstructed",
-                  config={"objective": {"policy_loss": "eppo"}})
+POLICY_LOSSES.add(
+    "eppo",
+    eppo,
+    PartInfo(
+        batch_inputs=("entropies",),
+        needs_context=True,
+        make_state=make_state,
+        prepare=prepare,
+        token_metrics=_token_metrics,
+    ),
+)
+
+SPEC = MethodSpec(
+    name="eppo",
+    summary="EPPO: task-wise clip ranges from running task entropies",
+    provenance="reconstructed",
+    config={"objective": {"policy_loss": "eppo"}},
+)

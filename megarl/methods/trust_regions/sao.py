@@ -10,8 +10,8 @@ import torch
 
 from megarl.batch import PackedBatch
 from megarl.objectives.policy_losses import POLICY_LOSSES
-from megarl.registry import PartInfo
 from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
 
 
 def _ratio_and_keep(logp, old_logp, batch, clip_low, clip_high):
@@ -21,20 +21,47 @@ def _ratio_and_keep(logp, old_logp, batch, clip_low, clip_high):
     return r, (rd >= 1 - clip_low) & (rd <= 1 + clip_high)
 
 
-def sao_clip(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
-             batch: PackedBatch, ctx=None) -> torch.Tensor:
+def sao_clip(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    cu_seqlens,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=None,
+    *,
+    batch: PackedBatch,
+    ctx=None,
+) -> torch.Tensor:
     """−1[1−ε_l ≤ r ≤ 1+ε_h]·r·A per token, r = π_θ/π_behaviour ([T] -> [T]); dual_clip unused."""
     r, keep = _ratio_and_keep(logp, old_logp, batch, clip_low, clip_high)
     return -keep.to(logp.dtype) * r * adv
 
 
-def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip=None, *,
-                   batch: PackedBatch, ctx=None) -> dict[str, torch.Tensor]:
+def _token_metrics(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    cu_seqlens,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=None,
+    *,
+    batch: PackedBatch,
+    ctx=None,
+) -> dict[str, torch.Tensor]:
     """Share of tokens outside the band (zero gradient)."""
     _, keep = _ratio_and_keep(logp, old_logp, batch, clip_low, clip_high)
     return {"out_of_band_frac": (~keep).to(logp.dtype)}
 
+
 POLICY_LOSSES.add("sao_clip", sao_clip, PartInfo(needs_context=True, token_metrics=_token_metrics))
 
-SPEC = MethodSpec(name="sao", summary="SAO's clipping: ratio clip on the sequences it keeps", provenance="reconstructed",
-                  config={"objective": {"policy_loss": "sao_clip"}})
+SPEC = MethodSpec(
+    name="sao",
+    summary="SAO's clipping: ratio clip on the sequences it keeps",
+    provenance="reconstructed",
+    config={"objective": {"policy_loss": "sao_clip"}},
+)

@@ -8,15 +8,15 @@ same replicated weights. The weights are buffers: no gradient flows through them
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from megarl.ops import comm
-from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.rounds import RolloutRound, RoundResult
 from megarl.plugin.spec import MethodSpec
 from megarl.rewards.shaping.base import RoundShaper
-from megarl.plugin.rounds import RolloutRound, RoundResult
+from megarl.rewards.shaping.registry import REWARD_SHAPERS
 
 
 def floor_weights(w: torch.Tensor, w_min: float) -> torch.Tensor:
@@ -38,10 +38,22 @@ def floor_weights(w: torch.Tensor, w_min: float) -> torch.Tensor:
 class AMRP(RoundShaper):
     """Adaptive multi-reward projection; see the module docstring. ``weights``: current w [K]."""
 
-    def __init__(self, beta: float = 0.9, window: int = 10, a: float = 1.0, b: float = 1.0, tau: float = 0.5,
-                 eta: float = 0.1, w_min: float = 0.02, g0: float = 0.01, delta: float = 1e-8,
-                 r_min: Optional[list] = None, r_max: Optional[list] = None, normalise: str = "minmax",
-                 initial_weights: Optional[list] = None):
+    def __init__(
+        self,
+        beta: float = 0.9,
+        window: int = 10,
+        a: float = 1.0,
+        b: float = 1.0,
+        tau: float = 0.5,
+        eta: float = 0.1,
+        w_min: float = 0.02,
+        g0: float = 0.01,
+        delta: float = 1e-8,
+        r_min: list | None = None,
+        r_max: list | None = None,
+        normalise: str = "minmax",
+        initial_weights: list | None = None,
+    ):
         if not 0 <= eta <= 1:
             raise ValueError(f"amrp: eta={eta} must be in [0, 1]")
         if tau <= 0 or g0 <= 0 or window < 1:
@@ -52,13 +64,16 @@ class AMRP(RoundShaper):
             raise ValueError(f"amrp: normalise={normalise!r}; allowed: minmax, z")
         self.beta, self.window, self.a, self.b, self.tau, self.eta = beta, window, a, b, tau, eta
         self.w_min, self.g0, self.delta, self.normalise = w_min, g0, delta, normalise
-        self.bounds = None if r_min is None else (torch.tensor(r_min, dtype=torch.float64),
-                                                  torch.tensor(r_max, dtype=torch.float64))
+        self.bounds = (
+            None
+            if r_min is None
+            else (torch.tensor(r_min, dtype=torch.float64), torch.tensor(r_max, dtype=torch.float64))
+        )
         self.initial = None if initial_weights is None else torch.tensor(initial_weights, dtype=torch.float64)
         self.state: dict[str, Any] = {}
 
     @property
-    def weights(self) -> Optional[torch.Tensor]:
+    def weights(self) -> torch.Tensor | None:
         return self.state.get("w")
 
     def _batch_stats(self, r: torch.Tensor, dp_group: Any):
@@ -71,7 +86,7 @@ class AMRP(RoundShaper):
             comm.all_reduce(hi, "max", dp_group)
         n = sums[-1]
         mu = sums[:K] / n
-        var = (sums[K:2 * K] / n - mu * mu).clamp(min=0)
+        var = (sums[K : 2 * K] / n - mu * mu).clamp(min=0)
         return mu, var, lo, hi
 
     @torch.no_grad()
@@ -86,12 +101,16 @@ class AMRP(RoundShaper):
         if self.bounds is not None:
             lo, hi = self.bounds
         else:
-            lo, hi = (blo, bhi) if "lo" not in st else (torch.minimum(blo, st["lo"]), torch.maximum(bhi, st["hi"]))
+            lo, hi = (
+                (blo, bhi) if "lo" not in st else (torch.minimum(blo, st["lo"]), torch.maximum(bhi, st["hi"]))
+            )
             st["lo"], st["hi"] = lo, hi
         if "w" not in st:
             w0 = self.initial if self.initial is not None else torch.full((K,), 1.0 / K, dtype=torch.float64)
             if w0.numel() != K or abs(float(w0.sum()) - 1) > 1e-9 or bool((w0 < self.w_min).any()):
-                raise ValueError(f"amrp: initial_weights {w0.tolist()} must be {K} values >= w_min summing to 1")
+                raise ValueError(
+                    f"amrp: initial_weights {w0.tolist()} must be {K} values >= w_min summing to 1"
+                )
             st["w"], st["hist"] = w0.clone(), torch.zeros(0, K, dtype=torch.float64)
         if "prev" in st:
             st["ema_d"] = self.beta * st["ema_d"] + (1 - self.beta) * (mu - st["prev"]).abs()
@@ -109,17 +128,23 @@ class AMRP(RoundShaper):
             g = torch.zeros(K, dtype=torch.float64)
         q = torch.exp(-g.clamp(min=0) / self.g0)
         z = s * (1 + self.a * v + self.b * q)
-        st["w"] = floor_weights((1 - self.eta) * st["w"] + self.eta * torch.softmax(z / self.tau, 0), self.w_min)
+        st["w"] = floor_weights(
+            (1 - self.eta) * st["w"] + self.eta * torch.softmax(z / self.tau, 0), self.w_min
+        )
         st["prev"] = mu
-        st["hist"] = torch.cat([hist, mu.unsqueeze(0)])[-self.window:]
+        st["hist"] = torch.cat([hist, mu.unsqueeze(0)])[-self.window :]
         if self.normalise == "minmax":
             span = bhi - blo
-            norm = torch.where(span > 0, (r - blo) / torch.where(span > 0, span, torch.ones_like(span)),
-                               torch.zeros_like(r))
+            norm = torch.where(
+                span > 0, (r - blo) / torch.where(span > 0, span, torch.ones_like(span)), torch.zeros_like(r)
+            )
         else:
             sd = var.sqrt()
-            norm = torch.where((bhi > blo) & (sd > 0), (r - mu) / torch.where(sd > 0, sd, torch.ones_like(sd)),
-                               torch.zeros_like(r))
+            norm = torch.where(
+                (bhi > blo) & (sd > 0),
+                (r - mu) / torch.where(sd > 0, sd, torch.ones_like(sd)),
+                torch.zeros_like(r),
+            )
         return norm @ st["w"]
 
     async def shape_round(self, r: RolloutRound, env: Any) -> RoundResult:
@@ -127,8 +152,9 @@ class AMRP(RoundShaper):
         from megarl.rewards.shaping.processor import dims_matrix
 
         shaped = self(dims_matrix(r))
-        return RoundResult(shaped, metrics={f"shaping/amrp/w/{k}": float(self.weights[i])
-                                            for i, k in enumerate(r.weights)})
+        return RoundResult(
+            shaped, metrics={f"shaping/amrp/w/{k}": float(self.weights[i]) for i, k in enumerate(r.weights)}
+        )
 
     def state_dict(self) -> dict:
         return {k: v.clone() for k, v in self.state.items()}
@@ -136,5 +162,10 @@ class AMRP(RoundShaper):
     def load_state_dict(self, state: dict) -> None:
         self.state = {k: v.clone() for k, v in state.items()}
 
-SPEC = MethodSpec(name="amrp", summary="AMRP: adaptive weights over reward dimensions", provenance="reconstructed",
-                  config={"reward": {"shaping": {"name": "amrp"}}})
+
+SPEC = MethodSpec(
+    name="amrp",
+    summary="AMRP: adaptive weights over reward dimensions",
+    provenance="reconstructed",
+    config={"reward": {"shaping": {"name": "amrp"}}},
+)

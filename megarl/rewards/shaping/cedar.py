@@ -4,22 +4,26 @@ reference/reward_shaping.py). The coverage and directionality come from an LLM j
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import re
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from megarl.rewards.shaping.judge import LLMJudge, parse_score, parse_verdicts
-from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.rounds import RolloutRound, RoundResult
 from megarl.plugin.spec import MethodSpec
 from megarl.rewards.shaping.base import RoundShaper
-from megarl.plugin.rounds import RolloutRound, RoundResult
-import re
-from typing import Any
+from megarl.rewards.shaping.judge import LLMJudge, parse_score, parse_verdicts
+from megarl.rewards.shaping.registry import REWARD_SHAPERS
 
-COVERAGE_PROMPT = ("Evidence items:\n{items}\n\nExplanation:\n{response}\n\nFor each evidence item say whether the "
-                   "explanation accounts for it. Answer one line per item as '<number>: yes' or '<number>: no'.\n")
-DIRECTION_PROMPT = ("Evidence:\n{items}\n\nExplanation:\n{response}\n\nIs the explanation derived from the evidence "
-                    "(1) rather than rationalised after a conclusion (0)? Answer 'score: <number between 0 and 1>'.\n")
+COVERAGE_PROMPT = (
+    "Evidence items:\n{items}\n\nExplanation:\n{response}\n\nFor each evidence item say whether the "
+    "explanation accounts for it. Answer one line per item as '<number>: yes' or '<number>: no'.\n"
+)
+DIRECTION_PROMPT = (
+    "Evidence:\n{items}\n\nExplanation:\n{response}\n\nIs the explanation derived from the evidence "
+    "(1) rather than rationalised after a conclusion (0)? Answer 'score: <number between 0 and 1>'.\n"
+)
 
 
 def substring_coverage(response: str, evidence: Sequence[str]) -> list[int]:
@@ -32,6 +36,7 @@ def evidence_items(prompt: str) -> list[str]:
     """Quickstart stand-in for CEDAR's evidence: the prompt's distinct digits, in order."""
     return list(dict.fromkeys(re.findall(r"\d", prompt)))
 
+
 @REWARD_SHAPERS.register("cedar")
 class CEDARReward(RoundShaper):
     """``reward(correct [B], covered [B, M], valid [B, M], direction [B]) -> R [B]``.
@@ -40,8 +45,14 @@ class CEDARReward(RoundShaper):
     (× ``wrong_weight`` when a = 0).
     """
 
-    def __init__(self, lambda_c: float = 0.5, lambda_d: float = 0.5, gate: str = "none", wrong_weight: float = 0.5,
-                 direction_fallback: float = 0.0):
+    def __init__(
+        self,
+        lambda_c: float = 0.5,
+        lambda_d: float = 0.5,
+        gate: str = "none",
+        wrong_weight: float = 0.5,
+        direction_fallback: float = 0.0,
+    ):
         if gate not in ("none", "correct_only", "reduced"):
             raise ValueError(f"cedar: gate={gate!r}; allowed: none, correct_only, reduced")
         if lambda_c < 0 or lambda_d < 0 or not 0 <= wrong_weight <= 1:
@@ -49,11 +60,14 @@ class CEDARReward(RoundShaper):
         self.lambda_c, self.lambda_d, self.gate, self.wrong_weight = lambda_c, lambda_d, gate, wrong_weight
         self.direction_fallback = direction_fallback
 
-    def __call__(self, correct: torch.Tensor, covered: torch.Tensor, valid: torch.Tensor,
-                 direction: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, correct: torch.Tensor, covered: torch.Tensor, valid: torch.Tensor, direction: torch.Tensor
+    ) -> torch.Tensor:
         a = correct.double()
         m = valid.double()
-        cov = torch.where(m.sum(1) > 0, (covered.double() * m).sum(1) / m.sum(1).clamp(min=1), torch.zeros_like(a))
+        cov = torch.where(
+            m.sum(1) > 0, (covered.double() * m).sum(1) / m.sum(1).clamp(min=1), torch.zeros_like(a)
+        )
         proc = self.lambda_c * cov + self.lambda_d * direction.double().clamp(0, 1)
         if self.gate == "correct_only":
             proc = proc * a
@@ -61,8 +75,13 @@ class CEDARReward(RoundShaper):
             proc = proc * torch.where(a > 0, torch.ones_like(a), torch.full_like(a, self.wrong_weight))
         return a + proc
 
-    async def judge_inputs(self, judge: Optional[LLMJudge], responses: Sequence[str],
-                           evidence: Sequence[Sequence[str]], coverage: str = "judge"):
+    async def judge_inputs(
+        self,
+        judge: LLMJudge | None,
+        responses: Sequence[str],
+        evidence: Sequence[Sequence[str]],
+        coverage: str = "judge",
+    ):
         """(covered [B, M], valid [B, M], direction [B]) for the responses: one coverage call and one
         directionality call per response through ``judge``. A failed coverage call falls back to
         the substring matcher, a failed directionality call to ``direction_fallback``."""
@@ -72,24 +91,28 @@ class CEDARReward(RoundShaper):
         valid = torch.zeros(B, M, dtype=torch.bool)
         items = ["\n".join(f"{j + 1}. {e}" for j, e in enumerate(ev)) for ev in evidence]
         for i, ev in enumerate(evidence):
-            valid[i, :len(ev)] = True
-            covered[i, :len(ev)] = torch.tensor(substring_coverage(responses[i], ev), dtype=torch.float64)
+            valid[i, : len(ev)] = True
+            covered[i, : len(ev)] = torch.tensor(substring_coverage(responses[i], ev), dtype=torch.float64)
         direction = torch.full((B,), float(self.direction_fallback), dtype=torch.float64)
         if judge is None:
             return covered, valid, direction
         if coverage == "judge":
-            cov_res = await judge.ask_many([COVERAGE_PROMPT.format(items=items[i], response=responses[i])
-                                            for i in range(B)],
-                                           parse=lambda t: t)  # parsed below: k differs per response
+            cov_res = await judge.ask_many(
+                [COVERAGE_PROMPT.format(items=items[i], response=responses[i]) for i in range(B)],
+                parse=lambda t: t,
+            )  # parsed below: k differs per response
             for i, r in enumerate(cov_res):
                 if r.error is None and evidence[i]:
                     try:
-                        covered[i, :len(evidence[i])] = torch.tensor(parse_verdicts(r.value, len(evidence[i])),
-                                                                     dtype=torch.float64)
+                        covered[i, : len(evidence[i])] = torch.tensor(
+                            parse_verdicts(r.value, len(evidence[i])), dtype=torch.float64
+                        )
                     except ValueError as e:
                         judge.stats.note("malformed", str(e))
-        dir_res = await judge.ask_many([DIRECTION_PROMPT.format(items=items[i], response=responses[i])
-                                        for i in range(B)], parse=parse_score)
+        dir_res = await judge.ask_many(
+            [DIRECTION_PROMPT.format(items=items[i], response=responses[i]) for i in range(B)],
+            parse=parse_score,
+        )
         for i, r in enumerate(dir_res):
             if r.error is None:
                 direction[i] = r.value
@@ -107,8 +130,10 @@ class CEDARReward(RoundShaper):
         shaped = self(correct, covered, valid, direction)
         m = valid.double()
         cov = float(((covered * m).sum(1) / m.sum(1).clamp(min=1)).mean())
-        return RoundResult(shaped, metrics={"shaping/cedar/coverage": cov,
-                                            "shaping/cedar/direction": float(direction.mean())})
+        return RoundResult(
+            shaped,
+            metrics={"shaping/cedar/coverage": cov, "shaping/cedar/direction": float(direction.mean())},
+        )
 
     def state_dict(self) -> dict:
         return {}
@@ -116,5 +141,10 @@ class CEDARReward(RoundShaper):
     def load_state_dict(self, state: dict) -> None:
         pass
 
-SPEC = MethodSpec(name="cedar", summary="CEDAR-GRPO: correctness plus judged evidence coverage", provenance="reconstructed",
-                  config={"reward": {"shaping": {"name": "cedar"}}})
+
+SPEC = MethodSpec(
+    name="cedar",
+    summary="CEDAR-GRPO: correctness plus judged evidence coverage",
+    provenance="reconstructed",
+    config={"reward": {"shaping": {"name": "cedar"}}},
+)

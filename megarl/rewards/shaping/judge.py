@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.types import RolloutError, SamplingParams
@@ -59,7 +60,7 @@ def parse_preference(text: str) -> float:
 class JudgeResult:
     value: Any = None
     text: str = ""
-    error: Optional[str] = None  # None | "timeout" | "engine: ..." | "malformed: ..."
+    error: str | None = None  # None | "timeout" | "engine: ..." | "malformed: ..."
 
 
 @dataclass
@@ -80,8 +81,14 @@ class LLMJudge:
     """Judge calls through a rollout engine. ``tokenizer`` needs ``encode(text)``/``decode(ids)``
     (a HF tokenizer works); ``timeout_s`` bounds each call, ``sampling`` defaults to greedy."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer: Any, timeout_s: float = 30.0,
-                 sampling: Optional[SamplingParams] = None, max_concurrency: int = 16):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        timeout_s: float = 30.0,
+        sampling: SamplingParams | None = None,
+        max_concurrency: int = 16,
+    ):
         self.engine, self.tok, self.timeout_s = engine, tokenizer, timeout_s
         self.sampling = sampling or SamplingParams(temperature=0.0, max_new_tokens=64)
         self.stats = JudgeStats()
@@ -98,9 +105,10 @@ class LLMJudge:
         self.stats.calls += 1
         try:
             async with self._sem:
-                res = await asyncio.wait_for(self.engine.generate(self._encode(prompt), n=1, sampling=self.sampling),
-                                             self.timeout_s)
-        except asyncio.TimeoutError:
+                res = await asyncio.wait_for(
+                    self.engine.generate(self._encode(prompt), n=1, sampling=self.sampling), self.timeout_s
+                )
+        except TimeoutError:
             self.stats.note("timeouts", f"timeout after {self.timeout_s}s")
             return JudgeResult(error="timeout")
         except RolloutError as e:
@@ -144,7 +152,7 @@ class JudgeTokenizer:
                     pass
             ids = list(self.tok.encode("".join(kept)))
         if len(ids) > self.max_prompt_tokens:
-            ids = ids[:1] + ids[-(self.max_prompt_tokens - 1):]
+            ids = ids[:1] + ids[-(self.max_prompt_tokens - 1) :]
         return ids
 
     def decode(self, ids: list[int]) -> str:

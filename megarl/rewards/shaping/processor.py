@@ -37,9 +37,14 @@ def make_judge(ctx: Any) -> LLMJudge:
 
     j = ctx.cfg.reward.judge
     room = int(ctx.hf_config.get("max_position_embeddings", 4096)) - j.max_new_tokens - 1
-    return LLMJudge(ctx.engine, JudgeTokenizer(ctx.tokenizer, room), timeout_s=j.timeout_s,
-                    sampling=SamplingParams(temperature=j.temperature, max_new_tokens=j.max_new_tokens,
-                                            stop_token_ids=(ctx.tokenizer.eos_id,)))
+    return LLMJudge(
+        ctx.engine,
+        JudgeTokenizer(ctx.tokenizer, room),
+        timeout_s=j.timeout_s,
+        sampling=SamplingParams(
+            temperature=j.temperature, max_new_tokens=j.max_new_tokens, stop_token_ids=(ctx.tokenizer.eos_id,)
+        ),
+    )
 
 
 class ShapingProcessor:
@@ -68,8 +73,14 @@ class ShapingProcessor:
         out.metrics[f"shaping/{self.name}/changed_frac"] = float((scalar != r.scalar).float().mean())
         if self.judge is not None:
             s = self.judge.stats
-            out.metrics.update({"judge/calls": float(s.calls), "judge/malformed": float(s.malformed),
-                                "judge/timeouts": float(s.timeouts), "judge/engine_errors": float(s.engine_errors)})
+            out.metrics.update(
+                {
+                    "judge/calls": float(s.calls),
+                    "judge/malformed": float(s.malformed),
+                    "judge/timeouts": float(s.timeouts),
+                    "judge/engine_errors": float(s.engine_errors),
+                }
+            )
         return RoundResult(scalar=scalar, metrics=out.metrics)
 
     def state_dict(self) -> dict:
@@ -79,7 +90,9 @@ class ShapingProcessor:
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``; a state of another shaper is refused, naming both."""
         if state.get("name") != self.name:
-            raise ValueError(f"checkpoint shaping state is for {state.get('name')!r}, the config has {self.name!r}")
+            raise ValueError(
+                f"checkpoint shaping state is for {state.get('name')!r}, the config has {self.name!r}"
+            )
         self.shaper.load_state_dict(state["shaper"])
 
 

@@ -26,18 +26,25 @@ def build_reward_shaping(reward_section: dict) -> Any:
     if not isinstance(spec, dict) or "name" not in spec:
         raise ValueError(f"reward.shaping must be a mapping with 'name', got {spec!r}")
     if spec["name"] not in REWARD_SHAPERS:
-        raise ValueError(f"reward.shaping.name={spec['name']!r}; allowed: {', '.join(REWARD_SHAPERS.names())}")
+        raise ValueError(
+            f"reward.shaping.name={spec['name']!r}; allowed: {', '.join(REWARD_SHAPERS.names())}"
+        )
     cls = REWARD_SHAPERS.get(spec["name"])
     params = inspect.signature(cls.__init__).parameters
     knobs = {k: v for k, v in spec.items() if k != "name"}
     for k, v in knobs.items():
         if k not in params:
-            raise ValueError(f"unknown key reward.shaping.{k} for {spec['name']!r}; allowed: "
-                             f"{', '.join(n for n in params if n != 'self')}")
+            raise ValueError(
+                f"unknown key reward.shaping.{k} for {spec['name']!r}; allowed: "
+                f"{', '.join(n for n in params if n != 'self')}"
+            )
         d = params[k].default
         if isinstance(d, bool) and not isinstance(v, bool):
             raise ValueError(f"reward.shaping.{k}={v!r} must be true or false")
-        if isinstance(d, (int, float)) and not isinstance(d, bool) and (isinstance(v, bool)
-                                                                        or not isinstance(v, (int, float))):
+        if (
+            isinstance(d, (int, float))
+            and not isinstance(d, bool)
+            and (isinstance(v, bool) or not isinstance(v, (int, float)))
+        ):
             raise ValueError(f"reward.shaping.{k}={v!r} must be a number")
     return cls(**knobs)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.rounds import RolloutRound, RoundResult
 from megarl.plugin.spec import MethodSpec
 from megarl.rewards.shaping.base import RoundShaper
-from megarl.plugin.rounds import RolloutRound, RoundResult
-import re
-from typing import Any
+from megarl.rewards.shaping.registry import REWARD_SHAPERS
 
 
 def ngram_precision(response: Sequence, source: Sequence, n: int = 3) -> float:
@@ -21,8 +21,8 @@ def ngram_precision(response: Sequence, source: Sequence, n: int = 3) -> float:
     n = min(n, len(response))
     if n == 0:
         return 0.0
-    src = {tuple(source[j:j + n]) for j in range(len(source) - n + 1)}
-    grams = Counter(tuple(response[j:j + n]) for j in range(len(response) - n + 1))
+    src = {tuple(source[j : j + n]) for j in range(len(source) - n + 1)}
+    grams = Counter(tuple(response[j : j + n]) for j in range(len(response) - n + 1))
     return sum(c for g, c in grams.items() if g in src) / (len(response) - n + 1)
 
 
@@ -30,6 +30,7 @@ def words(text: str) -> str:
     """``text`` with every run of non-alphanumeric characters turned into one space (the floor
     compares words: ``"R 407="`` -> ``"R 407"``, so copying the operand is a copy)."""
     return " ".join(re.findall(r"\w+", text))
+
 
 @REWARD_SHAPERS.register("reward_floor")
 class RewardFloor(RoundShaper):
@@ -47,8 +48,13 @@ class RewardFloor(RoundShaper):
         """[B] bool: response i copies source i."""
         if len(responses) != len(sources):
             raise ValueError(f"reward_floor: {len(responses)} responses but {len(sources)} sources")
-        return torch.tensor([ngram_precision(r.lower().split(), s.lower().split(), self.n) >= self.threshold
-                             for r, s in zip(responses, sources)], dtype=torch.bool)
+        return torch.tensor(
+            [
+                ngram_precision(r.lower().split(), s.lower().split(), self.n) >= self.threshold
+                for r, s in zip(responses, sources)
+            ],
+            dtype=torch.bool,
+        )
 
     def __call__(self, rewards: torch.Tensor, responses: Sequence[str], sources: Sequence[str]):
         copied = self.copied(responses, sources)
@@ -69,5 +75,10 @@ class RewardFloor(RoundShaper):
     def load_state_dict(self, state: dict) -> None:
         pass
 
-SPEC = MethodSpec(name="reward_floor", summary="RLAIF reward floor: no reward for copying the source", provenance="reconstructed",
-                  config={"reward": {"shaping": {"name": "reward_floor"}}})
+
+SPEC = MethodSpec(
+    name="reward_floor",
+    summary="RLAIF reward floor: no reward for copying the source",
+    provenance="reconstructed",
+    config={"reward": {"shaping": {"name": "reward_floor"}}},
+)

@@ -11,14 +11,14 @@ needs to score at all (dropped ones need no judge call).
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 
-from megarl.rewards.shaping.registry import REWARD_SHAPERS
+from megarl.plugin.rounds import RolloutRound, RoundResult
 from megarl.plugin.spec import MethodSpec
 from megarl.rewards.shaping.base import RoundShaper
-from megarl.plugin.rounds import RolloutRound, RoundResult
-from typing import Any
+from megarl.rewards.shaping.registry import REWARD_SHAPERS
 
 
 def keep_mask(seed: int, step: int, prompt_uid: int, num_criteria: int, p: float) -> torch.Tensor:
@@ -40,7 +40,9 @@ class RubricDropout(RoundShaper):
             raise ValueError(f"rubric_dropout: p={p} must be in [0, 1)")
         self.p, self.seed, self.keep_pitfalls = p, seed, keep_pitfalls
 
-    def masks(self, valid: torch.Tensor, prompt_uids: torch.Tensor, step: int, train: bool = True) -> torch.Tensor:
+    def masks(
+        self, valid: torch.Tensor, prompt_uids: torch.Tensor, step: int, train: bool = True
+    ) -> torch.Tensor:
         """[B, K] bool: criteria that count for each sequence (dropout mask within its valid criteria)."""
         M = valid.clone().bool()
         if not train or self.p == 0:
@@ -62,17 +64,28 @@ class RubricDropout(RoundShaper):
             M |= valid.bool() & (weights < 0)
         return M
 
-    def __call__(self, scores: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, prompt_uids: torch.Tensor,
-                 step: int, train: bool = True) -> torch.Tensor:
+    def __call__(
+        self,
+        scores: torch.Tensor,
+        weights: torch.Tensor,
+        valid: torch.Tensor,
+        prompt_uids: torch.Tensor,
+        step: int,
+        train: bool = True,
+    ) -> torch.Tensor:
         """R_i = Σ_k M_k w_k s_k / Σ_k M_k w_k⁺ over the kept criteria; [B, K] inputs -> [B]."""
         if scores.shape != weights.shape or scores.shape != valid.shape:
-            raise ValueError(f"rubric_dropout: scores {tuple(scores.shape)}, weights {tuple(weights.shape)} and "
-                             f"valid {tuple(valid.shape)} must have the same shape [B, K]")
+            raise ValueError(
+                f"rubric_dropout: scores {tuple(scores.shape)}, weights {tuple(weights.shape)} and "
+                f"valid {tuple(valid.shape)} must have the same shape [B, K]"
+            )
         w = weights.double()
         M = self.kept_criteria(valid, prompt_uids, step, w, train).double()
         num = (M * w * scores.double()).sum(1)
         den = (M * w.clamp(min=0)).sum(1)
-        return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+        return torch.where(
+            den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num)
+        )
 
     async def shape_round(self, r: RolloutRound, env: Any) -> RoundResult:
         """The rubric is the round's reward dimensions, one criterion each, weighted by its weight."""
@@ -92,5 +105,10 @@ class RubricDropout(RoundShaper):
     def load_state_dict(self, state: dict) -> None:
         pass
 
-SPEC = MethodSpec(name="rubric_dropout", summary="Rubric Dropout: random criteria dropped per prompt and step", provenance="reconstructed",
-                  config={"reward": {"shaping": {"name": "rubric_dropout"}}})
+
+SPEC = MethodSpec(
+    name="rubric_dropout",
+    summary="Rubric Dropout: random criteria dropped per prompt and step",
+    provenance="reconstructed",
+    config={"reward": {"shaping": {"name": "rubric_dropout"}}},
+)
