@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,9 @@ class HFSafetensorsReader:
             self._open[f] = h
             for k in h.keys():
                 if k in self._where:
-                    raise ConversionError(f"{self.dir}: tensor '{k}' is stored twice ({self._where[k]} and {f})")
+                    raise ConversionError(
+                        f"{self.dir}: tensor '{k}' is stored twice ({self._where[k]} and {f})"
+                    )
                 self._where[k] = f
 
     def keys(self) -> list[str]:
@@ -118,7 +120,8 @@ _KNOWN_HF = re.compile(
     r"model\.layers\.\d+\.self_attn\.(q|k)_norm\.weight|"
     r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight|"
     r"model\.layers\.\d+\.mlp\.gate\.weight|"
-    r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight)$")
+    r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight)$"
+)
 
 
 def check_hf_keys(names: list[str], plan: list[Entry], source: str) -> None:
@@ -146,7 +149,9 @@ def check_hf_keys(names: list[str], plan: list[Entry], source: str) -> None:
 
 
 def _local_entries(plan: list[Entry], groups: ParallelGroups) -> list[Entry]:
-    return [e for e in plan if e.stage == groups.pp_rank and (e.expert is None or e.ep_owner == groups.ep_rank)]
+    return [
+        e for e in plan if e.stage == groups.pp_rank and (e.expert is None or e.ep_owner == groups.ep_rank)
+    ]
 
 
 def _uses_te_names(model: torch.nn.Module) -> bool:
@@ -167,14 +172,17 @@ def _check_local_coverage(model: torch.nn.Module, mine: list[Entry]) -> dict[str
     if not_in_model or no_source:
         raise ConversionError(
             f"model/plan mismatch on rank {dist.get_rank() if dist.is_initialized() else 0}: "
-            f"planned but not in the model: {not_in_model}; model parameters without an HF source: {no_source}")
+            f"planned but not in the model: {not_in_model}; "
+            f"model parameters without an HF source: {no_source}"
+        )
     return params
 
 
 # ----------------------------------------------------------------------------- load
 @torch.no_grad()
-def load_hf_into_model(model: torch.nn.Module, groups: ParallelGroups,
-                       source: str | os.PathLike | dict[str, torch.Tensor]) -> None:
+def load_hf_into_model(
+    model: torch.nn.Module, groups: ParallelGroups, source: str | os.PathLike | dict[str, torch.Tensor]
+) -> None:
     """Copy HF weights (a model directory of safetensors, or a name -> tensor dict) into this rank's
     shards of ``model``. Raises ``ConversionError`` on any key or shape mismatch."""
     spec: ModelSpec = model.megarl_spec
@@ -189,12 +197,17 @@ def load_hf_into_model(model: torch.nn.Module, groups: ParallelGroups,
     params = _check_local_coverage(model, mine)
     bad_shapes = []
     for e in mine:
-        tp, r = (groups.layout.etp, groups.etp_rank) if e.expert is not None else (groups.layout.tp, groups.tp_rank)
+        tp, r = (
+            (groups.layout.etp, groups.etp_rank)
+            if e.expert is not None
+            else (groups.layout.tp, groups.tp_rank)
+        )
         shard = shard_hf(e, [getter(n) for n in e.hf_names], spec, tp, r)
         p = params[e.mcore_name]
         if tuple(shard.shape) != tuple(p.shape):
-            bad_shapes.append(f"{e.mcore_name} from {list(e.hf_names)}: expected {tuple(p.shape)}, "
-                              f"got {tuple(shard.shape)}")
+            bad_shapes.append(
+                f"{e.mcore_name} from {list(e.hf_names)}: expected {tuple(p.shape)}, got {tuple(shard.shape)}"
+            )
             continue
         p.data.copy_(shard.to(p.dtype))
     if bad_shapes:
@@ -202,18 +215,23 @@ def load_hf_into_model(model: torch.nn.Module, groups: ParallelGroups,
 
 
 # ----------------------------------------------------------------------------- export
-def _broadcast_from(t: Optional[torch.Tensor], src_group_rank: int, group: dist.ProcessGroup,
-                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _broadcast_from(
+    t: torch.Tensor | None,
+    src_group_rank: int,
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """Broadcast a tensor of unknown shape from group rank ``src_group_rank`` (shape goes first)."""
     me = dist.get_rank(group)
     src = dist.get_global_rank(group, src_group_rank)
     shape = torch.zeros(8, dtype=torch.long, device=device)
     if me == src_group_rank:
         shape[0] = t.dim()
-        shape[1:1 + t.dim()] = torch.tensor(t.shape)
+        shape[1 : 1 + t.dim()] = torch.tensor(t.shape)
     dist.broadcast(shape, src=src, group=group)
     if me != src_group_rank:
-        t = torch.empty(tuple(shape[1:1 + int(shape[0])].tolist()), dtype=dtype, device=device)
+        t = torch.empty(tuple(shape[1 : 1 + int(shape[0])].tolist()), dtype=dtype, device=device)
     else:
         t = t.contiguous()
     dist.broadcast(t, src=src, group=group)
@@ -232,14 +250,15 @@ def iter_hf_tensors(model: torch.nn.Module, groups: ParallelGroups) -> Iterator[
         if e.tied_copy:
             continue
         on_stage = groups.pp_rank == e.stage
-        tensors: Optional[list[torch.Tensor]] = None
+        tensors: list[torch.Tensor] | None = None
         if on_stage:
             p = params[e.mcore_name].detach()
             tp, tp_group = (lay.etp, groups.expt_tp) if e.expert is not None else (lay.tp, groups.tp)
             if e.expert is not None and lay.ep > 1:
                 # the owner's shard (for this expert-TP rank) goes to every EP peer
-                p = _broadcast_from(p if groups.ep_rank == e.ep_owner else None, e.ep_owner, groups.ep,
-                                    dtype, groups.device)
+                p = _broadcast_from(
+                    p if groups.ep_rank == e.ep_owner else None, e.ep_owner, groups.ep, dtype, groups.device
+                )
             if e.kind == "replicated" or tp == 1:
                 tensors = unshard_to_hf(e, [p], spec)
             else:
@@ -247,14 +266,17 @@ def iter_hf_tensors(model: torch.nn.Module, groups: ParallelGroups) -> Iterator[
                 dist.all_gather(shards, p.contiguous(), group=tp_group)
                 tensors = unshard_to_hf(e, shards, spec)
         if lay.pp > 1:
-            tensors = [_broadcast_from(tensors[i] if on_stage else None, e.stage, groups.pp, dtype, groups.device)
-                       for i in range(len(e.hf_names))]
+            tensors = [
+                _broadcast_from(tensors[i] if on_stage else None, e.stage, groups.pp, dtype, groups.device)
+                for i in range(len(e.hf_names))
+            ]
         for name, t in zip(e.hf_names, tensors):
             yield name, t.cpu()
 
 
-def iter_hf_buckets(model: torch.nn.Module, groups: ParallelGroups,
-                    bucket_bytes: int = 512 * 2**20) -> Iterator[dict[str, torch.Tensor]]:
+def iter_hf_buckets(
+    model: torch.nn.Module, groups: ParallelGroups, bucket_bytes: int = 512 * 2**20
+) -> Iterator[dict[str, torch.Tensor]]:
     """``iter_hf_tensors`` grouped into dicts of at most ``bucket_bytes`` (collective, all ranks)."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
@@ -277,9 +299,14 @@ def _remove_stale_temp(tmp: str) -> None:
         os.remove(tmp)
 
 
-def save_hf_checkpoint(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | os.PathLike,
-                       hf_config: Optional[dict] = None, bucket_bytes: int = 512 * 2**20,
-                       writer_rank: int = 0) -> Optional[dict[str, str]]:
+def save_hf_checkpoint(
+    model: torch.nn.Module,
+    groups: ParallelGroups,
+    out_dir: str | os.PathLike,
+    hf_config: dict | None = None,
+    bucket_bytes: int = 512 * 2**20,
+    writer_rank: int = 0,
+) -> dict[str, str] | None:
     """Write the model as HF safetensors shards (one file per bucket) + index (+ config.json).
 
     Collective. Rank ``writer_rank`` writes into a temporary sibling directory, then renames it to
@@ -301,8 +328,11 @@ def save_hf_checkpoint(model: torch.nn.Module, groups: ParallelGroups, out_dir: 
     for i, bucket in enumerate(iter_hf_buckets(model, groups, bucket_bytes)):
         if writer:
             fname = f"model-{i:05d}.safetensors"
-            save_file({k: v.contiguous() for k, v in bucket.items()}, os.path.join(tmp, fname),
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.contiguous() for k, v in bucket.items()},
+                os.path.join(tmp, fname),
+                metadata={"format": "pt"},
+            )
             weight_map.update({k: fname for k in bucket})
     if writer:
         total = 0

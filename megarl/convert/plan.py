@@ -17,7 +17,6 @@ Expert weights (``expert`` set) use ``glu`` / ``row`` over the *expert* tensor-p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megarl.learner.model import ModelSpec
 
@@ -30,7 +29,7 @@ class Entry:
     hf_names: tuple[str, ...]  # one HF tensor, or (gate, up) for glu, (q, k, v) for qkv
     kind: str  # replicated | vocab | column | row | glu | qkv
     stage: int  # pipeline stage that owns it
-    expert: Optional[int] = None  # global expert index for expert weights
+    expert: int | None = None  # global expert index for expert weights
     ep_owner: int = 0  # expert-parallel rank that holds this expert
     tied_copy: bool = False  # output layer of a tied model on a later stage: loaded, never exported
 
@@ -55,25 +54,60 @@ def build_plan(spec: ModelSpec, pp: int = 1, ep: int = 1, te_names: bool = False
             m = f"decoder.layers.{li}."
             h = f"model.layers.{g}."
             moe = g in spec.moe_layers
-            attn_norm = m + ("self_attention.linear_qkv.layer_norm_weight" if te_names else "input_layernorm.weight")
+            attn_norm = m + (
+                "self_attention.linear_qkv.layer_norm_weight" if te_names else "input_layernorm.weight"
+            )
             out.append(Entry(attn_norm, (h + "input_layernorm.weight",), "replicated", s))
-            out.append(Entry(m + "self_attention.linear_qkv.weight",
-                             tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", s))
+            out.append(
+                Entry(
+                    m + "self_attention.linear_qkv.weight",
+                    tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
+                    "qkv",
+                    s,
+                )
+            )
             if spec.qkv_bias:
-                out.append(Entry(m + "self_attention.linear_qkv.bias",
-                                 tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", s))
+                out.append(
+                    Entry(
+                        m + "self_attention.linear_qkv.bias",
+                        tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"),
+                        "qkv",
+                        s,
+                    )
+                )
             if spec.qk_layernorm:
-                out.append(Entry(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",),
-                                 "replicated", s))
-                out.append(Entry(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",),
-                                 "replicated", s))
-            out.append(Entry(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row", s))
-            mlp_norm = m + ("mlp.linear_fc1.layer_norm_weight" if te_names and not moe
-                            else "pre_mlp_layernorm.weight")
+                out.append(
+                    Entry(
+                        m + "self_attention.q_layernorm.weight",
+                        (h + "self_attn.q_norm.weight",),
+                        "replicated",
+                        s,
+                    )
+                )
+                out.append(
+                    Entry(
+                        m + "self_attention.k_layernorm.weight",
+                        (h + "self_attn.k_norm.weight",),
+                        "replicated",
+                        s,
+                    )
+                )
+            out.append(
+                Entry(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row", s)
+            )
+            mlp_norm = m + (
+                "mlp.linear_fc1.layer_norm_weight" if te_names and not moe else "pre_mlp_layernorm.weight"
+            )
             out.append(Entry(mlp_norm, (h + "post_attention_layernorm.weight",), "replicated", s))
             if not moe:
-                out.append(Entry(m + "mlp.linear_fc1.weight",
-                                 (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "glu", s))
+                out.append(
+                    Entry(
+                        m + "mlp.linear_fc1.weight",
+                        (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                        "glu",
+                        s,
+                    )
+                )
                 out.append(Entry(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row", s))
                 continue
             out.append(Entry(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated", s))
@@ -82,19 +116,32 @@ def build_plan(spec: ModelSpec, pp: int = 1, ep: int = 1, te_names: bool = False
                 owner, k = divmod(e, per)
                 hx = h + f"mlp.experts.{e}."
                 if te_names:
-                    fc1, fc2 = m + f"mlp.experts.linear_fc1.weight{k}", m + f"mlp.experts.linear_fc2.weight{k}"
+                    fc1, fc2 = (
+                        m + f"mlp.experts.linear_fc1.weight{k}",
+                        m + f"mlp.experts.linear_fc2.weight{k}",
+                    )
                 else:
                     fc1 = m + f"mlp.experts.local_experts.{k}.linear_fc1.weight"
                     fc2 = m + f"mlp.experts.local_experts.{k}.linear_fc2.weight"
                 # Expert weights are cut over the expert-TP group (not the TP group) and live on one EP rank.
-                out.append(Entry(fc1, (hx + "gate_proj.weight", hx + "up_proj.weight"), "glu", s,
-                                 expert=e, ep_owner=owner))
+                out.append(
+                    Entry(
+                        fc1,
+                        (hx + "gate_proj.weight", hx + "up_proj.weight"),
+                        "glu",
+                        s,
+                        expert=e,
+                        ep_owner=owner,
+                    )
+                )
                 out.append(Entry(fc2, (hx + "down_proj.weight",), "row", s, expert=e, ep_owner=owner))
     out.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", last))
     if not spec.tie_word_embeddings:
         out.append(Entry("output_layer.weight", ("lm_head.weight",), "vocab", last))
     elif pp > 1:
-        out.append(Entry("output_layer.weight", ("model.embed_tokens.weight",), "vocab", last, tied_copy=True))
+        out.append(
+            Entry("output_layer.weight", ("model.embed_tokens.weight",), "vocab", last, tied_copy=True)
+        )
     return out
 
 

@@ -17,8 +17,10 @@ def chat_renderer(tokenizer: Any, system_prompt: str | None = None) -> Callable[
     """
     hf = getattr(tokenizer, "tok", tokenizer)
     if not getattr(hf, "chat_template", None):
-        raise DataError("data.chat_template=true but the model's tokenizer has no chat template "
-                        "(tokenizer_config.json chat_template or chat_template.jinja)")
+        raise DataError(
+            "data.chat_template=true but the model's tokenizer has no chat template "
+            "(tokenizer_config.json chat_template or chat_template.jinja)"
+        )
 
     def render(text: str) -> str:
         msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -25,6 +25,8 @@ def save_hf_char_tokenizer(tok: CharTokenizer, out_dir: str | os.PathLike) -> Pa
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
     fast.save_pretrained(str(out_dir))
     return Path(out_dir)

@@ -28,15 +28,22 @@ def _copy(rng: random.Random, digits: int) -> tuple[str, str]:
 
 
 def _add(rng: random.Random, digits: int) -> tuple[str, str]:
-    a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
+    a, b = rng.randrange(10**digits), rng.randrange(10**digits)
     return f"{a}+{b}=", str(a + b)
 
 
 TASKS = {"reverse": _reverse, "add": _add, "copy": _copy}
 
 
-def generate_task_files(task: str, train_path: str | os.PathLike, eval_path: str | os.PathLike,
-                        num_train: int = 2000, num_eval: int = 200, digits: int = 3, seed: int = 0) -> None:
+def generate_task_files(
+    task: str,
+    train_path: str | os.PathLike,
+    eval_path: str | os.PathLike,
+    num_train: int = 2000,
+    num_eval: int = 200,
+    digits: int = 3,
+    seed: int = 0,
+) -> None:
     """Write disjoint train/eval jsonl files for ``task`` (overwrites them)."""
     if task not in TASKS:
         raise ValueError(f"data.generate.task={task!r}; allowed: {', '.join(TASKS)}")
@@ -52,7 +59,9 @@ def generate_task_files(task: str, train_path: str | os.PathLike, eval_path: str
         seen.add(prompt)
         rows.append({"prompt": prompt, "answer": answer, "task": task})
     if len(rows) < num_train + num_eval:
-        raise ValueError(f"task {task!r} with {digits} digit(s) has fewer than {num_train + num_eval} distinct prompts")
+        raise ValueError(
+            f"task {task!r} with {digits} digit(s) has fewer than {num_train + num_eval} distinct prompts"
+        )
     for path, part in ((eval_path, rows[:num_eval]), (train_path, rows[num_eval:])):
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ class CharTokenizer:
         out = [BOS] if bos else []
         for i, c in enumerate(text):
             if c not in self._ids:
-                raise ValueError(f"character {c!r} at position {i} of {text!r} is not in the alphabet "
-                                 f"{self.alphabet!r}")
+                raise ValueError(
+                    f"character {c!r} at position {i} of {text!r} is not in the alphabet {self.alphabet!r}"
+                )
             out.append(self._ids[c])
         return out
 

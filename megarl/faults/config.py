@@ -10,8 +10,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 INJECTION_KINDS = ("nan", "inf", "fp16", "bf16", "logits", "poison")
-EVENT_TYPES = ("nonfinite", "loss_spike", "grad_norm_spike", "logprob_gap", "entropy_collapse",
-               "router_collapse", "load_imbalance")
+EVENT_TYPES = (
+    "nonfinite",
+    "loss_spike",
+    "grad_norm_spike",
+    "logprob_gap",
+    "entropy_collapse",
+    "router_collapse",
+    "load_imbalance",
+)
 
 
 @dataclass
@@ -91,8 +98,10 @@ def validate_faults(cfg: FaultsConfig) -> None:
         if inj.step < 1:
             raise ValueError(f"{key}.step={inj.step} must be >= 1 (trainer steps start at 1)")
         if inj.kind in ("nan", "inf", "fp16", "bf16") and not inj.target:
-            raise ValueError(f"{key}.target is required for kind {inj.kind!r} (a module name such as "
-                             f"'decoder.layers.0.mlp', or a parameter name with where: grad)")
+            raise ValueError(
+                f"{key}.target is required for kind {inj.kind!r} (a module name such as "
+                f"'decoder.layers.0.mlp', or a parameter name with where: grad)"
+            )
         if inj.where == "grad" and inj.kind not in ("nan", "inf"):
             raise ValueError(f"{key}.where='grad' is only for kinds 'nan' and 'inf'")
         if not 0.0 <= inj.fraction <= 1.0:

@@ -37,9 +37,22 @@ class SpikeDetector:
     not update the baseline, so a run of spikes keeps being measured against the healthy steps.
     """
 
-    def __init__(self, z: float, beta: float, warmup: int, min_rel_std: float, two_sided: bool = False,
-                 min_abs_std: float = 0.0):
-        self.z, self.beta, self.warmup, self.min_rel_std, self.two_sided = z, beta, warmup, min_rel_std, two_sided
+    def __init__(
+        self,
+        z: float,
+        beta: float,
+        warmup: int,
+        min_rel_std: float,
+        two_sided: bool = False,
+        min_abs_std: float = 0.0,
+    ):
+        self.z, self.beta, self.warmup, self.min_rel_std, self.two_sided = (
+            z,
+            beta,
+            warmup,
+            min_rel_std,
+            two_sided,
+        )
         self.min_abs_std = min_abs_std
         self.mean = 0.0
         self.var = 0.0
@@ -95,14 +108,30 @@ class DetectorSuite:
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
-        self.loss = SpikeDetector(cfg.spike_z, cfg.spike_beta, cfg.spike_warmup, cfg.spike_min_rel_std,
-                                  two_sided=True, min_abs_std=cfg.spike_min_abs_std)
-        self.grad_norm = SpikeDetector(cfg.spike_z, cfg.spike_beta, cfg.spike_warmup, cfg.spike_min_rel_std,
-                                       min_abs_std=cfg.spike_min_abs_std)
+        self.loss = SpikeDetector(
+            cfg.spike_z,
+            cfg.spike_beta,
+            cfg.spike_warmup,
+            cfg.spike_min_rel_std,
+            two_sided=True,
+            min_abs_std=cfg.spike_min_abs_std,
+        )
+        self.grad_norm = SpikeDetector(
+            cfg.spike_z,
+            cfg.spike_beta,
+            cfg.spike_warmup,
+            cfg.spike_min_rel_std,
+            min_abs_std=cfg.spike_min_abs_std,
+        )
         self.entropy_baseline: float | None = None
 
-    def check(self, step: int, rec: dict, router_counts: torch.Tensor | None = None,
-              moe_layers: tuple[int, ...] = ()) -> list[dict]:
+    def check(
+        self,
+        step: int,
+        rec: dict,
+        router_counts: torch.Tensor | None = None,
+        moe_layers: tuple[int, ...] = (),
+    ) -> list[dict]:
         """Events of trainer step ``step`` from its metrics record ``rec`` and router counts
         ``[n_moe_layers, E]`` (``moe_layers``: their global layer indices, for the event detail)."""
         c = self.cfg
@@ -110,8 +139,14 @@ class DetectorSuite:
         loss, gn = rec.get("train/loss"), rec.get("train/grad_norm")
         bad = {k: v for k, v in (("loss", loss), ("grad_norm", gn)) if v is not None and not _finite(v)}
         if bad:
-            ev.append(make_event("nonfinite", step, **{k: str(v) for k, v in bad.items()},
-                                 optimizer_step_skipped=rec.get("train/update_successful", 1.0) < 1.0))
+            ev.append(
+                make_event(
+                    "nonfinite",
+                    step,
+                    **{k: str(v) for k, v in bad.items()},
+                    optimizer_step_skipped=rec.get("train/update_successful", 1.0) < 1.0,
+                )
+            )
         if loss is not None:
             hit = self.loss.update(loss)
             if hit:
@@ -123,39 +158,65 @@ class DetectorSuite:
         if c.logprob_gap_max > 0:
             # the train forward's gap of the step's FIRST optimizer step (weights = rollout weights,
             # so only numerics remain); the step mean also holds the policy's drift after updates
-            train_key = "faults/logprob_gap_first" if "faults/logprob_gap_first" in rec \
+            train_key = (
+                "faults/logprob_gap_first"
+                if "faults/logprob_gap_first" in rec
                 else "train/train_rollout_logprob_gap"
+            )
             gaps = {k: rec[k] for k in (train_key, "rollout/logprob_gap_old") if _finite(rec.get(k))}
             worst = max(gaps.items(), key=lambda kv: kv[1], default=None)
             if worst is not None and worst[1] > c.logprob_gap_max:
-                ev.append(make_event("logprob_gap", step, metric=worst[0], value=worst[1],
-                                     threshold=c.logprob_gap_max))
+                ev.append(
+                    make_event(
+                        "logprob_gap", step, metric=worst[0], value=worst[1], threshold=c.logprob_gap_max
+                    )
+                )
         ent = rec.get("train/entropy")
         if _finite(ent):
             if self.entropy_baseline is None:
                 self.entropy_baseline = ent
             floor = max(c.entropy_min, c.entropy_drop_frac * self.entropy_baseline)
             if floor > 0 and ent < floor:
-                ev.append(make_event("entropy_collapse", step, value=ent, floor=floor,
-                                     initial=self.entropy_baseline))
+                ev.append(
+                    make_event(
+                        "entropy_collapse", step, value=ent, floor=floor, initial=self.entropy_baseline
+                    )
+                )
         if router_counts is not None and router_counts.numel() and router_counts.sum() > 0:
             st = router_load_stats(router_counts)
             for i in range(router_counts.shape[0]):
                 layer = moe_layers[i] if i < len(moe_layers) else i
                 h, imb = float(st["entropy"][i]), float(st["imbalance"][i])
                 if c.router_entropy_min > 0 and h < c.router_entropy_min:
-                    ev.append(make_event("router_collapse", step, layer=layer, load_entropy=h,
-                                         threshold=c.router_entropy_min,
-                                         experts_used=int((router_counts[i] > 0).sum())))
+                    ev.append(
+                        make_event(
+                            "router_collapse",
+                            step,
+                            layer=layer,
+                            load_entropy=h,
+                            threshold=c.router_entropy_min,
+                            experts_used=int((router_counts[i] > 0).sum()),
+                        )
+                    )
                 if c.router_imbalance_max > 0 and imb > c.router_imbalance_max:
-                    ev.append(make_event("load_imbalance", step, layer=layer, imbalance=imb,
-                                         threshold=c.router_imbalance_max))
+                    ev.append(
+                        make_event(
+                            "load_imbalance",
+                            step,
+                            layer=layer,
+                            imbalance=imb,
+                            threshold=c.router_imbalance_max,
+                        )
+                    )
         return ev
 
     def state_dict(self) -> dict:
         """Baselines of the stateful detectors."""
-        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict(),
-                "entropy_baseline": self.entropy_baseline}
+        return {
+            "loss": self.loss.state_dict(),
+            "grad_norm": self.grad_norm.state_dict(),
+            "entropy_baseline": self.entropy_baseline,
+        }
 
     def load_state_dict(self, st: dict) -> None:
         """Restore baselines saved by ``state_dict``."""

@@ -88,9 +88,20 @@ class Injector:
     that does not hold a module, its injection is a no-op there (another stage applies it).
     """
 
-    def __init__(self, model: torch.nn.Module, specs: list[InjectionConfig], device_type: str = "cpu",
-                 vocab_size: int = 0, check_names: bool = True):
-        self.model, self.specs, self.device_type, self.vocab_size = model, list(specs), device_type, vocab_size
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        specs: list[InjectionConfig],
+        device_type: str = "cpu",
+        vocab_size: int = 0,
+        check_names: bool = True,
+    ):
+        self.model, self.specs, self.device_type, self.vocab_size = (
+            model,
+            list(specs),
+            device_type,
+            vocab_size,
+        )
         self.modules = dict(model.named_modules())
         self.params = dict(model.named_parameters())
         self._handles: list = []
@@ -106,12 +117,16 @@ class Injector:
         if s.kind in ("nan", "inf") and s.where == "grad":
             if s.target not in self.params:
                 near = [n for n in self.params if s.target.split(".")[-1] in n][:5] or list(self.params)[:5]
-                raise InjectionError(f"{key}.target={s.target!r} is not a parameter of the model; "
-                                     f"e.g. {', '.join(near)}")
+                raise InjectionError(
+                    f"{key}.target={s.target!r} is not a parameter of the model; e.g. {', '.join(near)}"
+                )
         elif s.kind in ("nan", "inf", "fp16", "bf16") and s.target not in self.modules:
-            near = [n for n in self.modules if n and s.target.split(".")[-1] in n][:5] or \
-                [n for n in self.modules if n.count(".") <= 3 and n][:8]
-            raise InjectionError(f"{key}.target={s.target!r} is not a module of the model; e.g. {', '.join(near)}")
+            near = [n for n in self.modules if n and s.target.split(".")[-1] in n][:5] or [
+                n for n in self.modules if n.count(".") <= 3 and n
+            ][:8]
+            raise InjectionError(
+                f"{key}.target={s.target!r} is not a module of the model; e.g. {', '.join(near)}"
+            )
 
     def active(self, step: int) -> list[InjectionConfig]:
         """The injections scheduled for trainer step ``step``."""
@@ -135,20 +150,30 @@ class Injector:
                 if p is None:
                     continue
                 val = float("nan") if s.kind == "nan" else float("inf")
-                self._handles.append(p.register_hook(lambda g, s=s, val=val: _write_value(g, val, s.fraction, s.seed)))
+                self._handles.append(
+                    p.register_hook(lambda g, s=s, val=val: _write_value(g, val, s.fraction, s.seed))
+                )
             else:
                 mod = self.modules.get(s.target)
                 if mod is None:
                     continue
                 if s.kind in ("nan", "inf"):
                     val = float("nan") if s.kind == "nan" else float("inf")
-                    self._handles.append(mod.register_forward_hook(
-                        lambda m, a, out, s=s, val=val: _map_first(out, lambda t: _write_value(t, val, s.fraction,
-                                                                                              s.seed))))
+                    self._handles.append(
+                        mod.register_forward_hook(
+                            lambda m, a, out, s=s, val=val: _map_first(
+                                out, lambda t: _write_value(t, val, s.fraction, s.seed)
+                            )
+                        )
+                    )
                 else:
                     dtype = torch.float16 if s.kind == "fp16" else torch.bfloat16
-                    self._handles.append(mod.register_forward_pre_hook(self._enter_low_precision(mod, dtype, s.loss_scale)))
-                    self._handles.append(mod.register_forward_hook(self._exit_low_precision(dtype, s.loss_scale)))
+                    self._handles.append(
+                        mod.register_forward_pre_hook(self._enter_low_precision(mod, dtype, s.loss_scale))
+                    )
+                    self._handles.append(
+                        mod.register_forward_hook(self._exit_low_precision(dtype, s.loss_scale))
+                    )
             armed.append(s)
         return armed
 
@@ -160,12 +185,15 @@ class Injector:
                     g = torch.Generator(device=t.device).manual_seed(s.seed)
                     out = out + s.noise * torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype)
                 return out
+
             return _map_first(output, perturb)
+
         return hook
 
     def _enter_low_precision(self, module: torch.nn.Module, dtype: torch.dtype, loss_scale: float):
         """Pre-hook: the module's parameters are swapped for ``dtype`` copies (cast nodes, so the
         gradient still reaches the fp32 parameters) and its floating-point inputs cast to ``dtype``."""
+
         def pre(mod, args):
             saved = []
             for owner in module.modules():
@@ -174,18 +202,25 @@ class Injector:
                         saved.append((owner, name, p))
                         owner._parameters[name] = _IntoLowPrecision.apply(p, dtype, loss_scale)
             self._swapped.append(saved)
-            return tuple(_IntoLowPrecision.apply(a, dtype, loss_scale)
-                         if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+            return tuple(
+                _IntoLowPrecision.apply(a, dtype, loss_scale)
+                if isinstance(a, torch.Tensor) and a.is_floating_point()
+                else a
+                for a in args
+            )
+
         return pre
 
     def _exit_low_precision(self, dtype: torch.dtype, loss_scale: float):
         """Post-hook: parameters restored, the output returned in fp32 through the low-precision
         boundary (its gradient is loss-scaled and stored in ``dtype``)."""
+
         def post(mod, args, output):
             if self._swapped:
                 for owner, name, p in self._swapped.pop():
                     owner._parameters[name] = p
             return _map_first(output, lambda t: _OutOfLowPrecision.apply(t, dtype, loss_scale))
+
         return post
 
     def disarm(self) -> None:
@@ -235,5 +270,7 @@ def injection_from_dict(d: dict, where: str | None = None) -> InjectionConfig:
     names = {f.name for f in fields(InjectionConfig)}
     bad = sorted(set(d) - names)
     if bad:
-        raise InjectionError(f"{where or 'injection'}: unknown key {bad[0]}; allowed: {', '.join(sorted(names))}")
+        raise InjectionError(
+            f"{where or 'injection'}: unknown key {bad[0]}; allowed: {', '.join(sorted(names))}"
+        )
     return InjectionConfig(**d)

@@ -45,7 +45,10 @@ class RouterLoadCounter:
         def hook(module, args, output):
             routing_map = output[1] if isinstance(output, tuple) else None
             if routing_map is not None:
-                self.counts[row] += routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(0).double().cpu()
+                self.counts[row] += (
+                    routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(0).double().cpu()
+                )
+
         return hook
 
     def stop(self) -> None:
@@ -54,8 +57,9 @@ class RouterLoadCounter:
             h.remove()
         self._handles = []
 
-    def collect(self, group: dist.ProcessGroup | None = None,
-                device: torch.device | None = None) -> torch.Tensor:
+    def collect(
+        self, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+    ) -> torch.Tensor:
         """Counts ``[n_moe_layers, E]`` summed over ``group`` (collective when given): stages hold
         different layers and data-parallel replicas different tokens; tensor-parallel copies of the
         same tokens scale every expert of a layer alike, so load shares are unaffected."""

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
-_MODE: "_CudaToCpuMode | None" = None
+_MODE: _CudaToCpuMode | None = None
 
 _CPU = torch.device("cpu")
 
@@ -45,9 +45,11 @@ def _is_cuda_device(d: Any) -> bool:
 class _CudaToCpuMode(TorchFunctionMode):
     """P8/P9: every torch call that names a CUDA device is sent to the CPU instead."""
 
-    _CPU_TO_CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor",
-                         "torch.HalfTensor": "torch.cuda.HalfTensor",
-                         "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+    _CPU_TO_CUDA_TYPE = {  # noqa: RUF012 (a constant table, never mutated)
+        "torch.FloatTensor": "torch.cuda.FloatTensor",
+        "torch.HalfTensor": "torch.cuda.HalfTensor",
+        "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -167,19 +169,28 @@ def _patch_megatron() -> None:
 
     original_new = torch_norm.WrappedTorchNorm.__new__
 
-    def wrapped_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-                         zero_centered_gamma=False, normalization="LayerNorm"):  # P4
+    def wrapped_norm_new(
+        cls,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,
+        normalization="LayerNorm",
+    ):  # P4
         if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, eps, persist_layer_norm,
-                                zero_centered_gamma, normalization)
+            return original_new(
+                cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization
+            )
         config.sequence_parallel = False
         try:
-            norm = original_new(cls, config, hidden_size, eps, persist_layer_norm,
-                                zero_centered_gamma, normalization)
+            norm = original_new(
+                cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization
+            )
         finally:
             config.sequence_parallel = True
         for p in norm.parameters():
-            setattr(p, "sequence_parallel", True)
+            p.sequence_parallel = True
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(wrapped_norm_new)

@@ -14,7 +14,6 @@ within each sequence; the first token of each sequence gets zero logits (it is n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -27,14 +26,15 @@ class PackedInputs:
 
     input_ids: torch.Tensor  # [1, T_pad]
     position_ids: torch.Tensor  # [1, T_pad] position inside each sequence
-    attention_mask: Optional[torch.Tensor]  # [1, 1, T_pad, T_pad] bool, True = masked (CPU path)
-    packed_seq_params: Optional[object]  # megatron PackedSeqParams (GPU/TE path)
-    padding_mask: Optional[torch.Tensor]  # [1, T_pad] bool, True = padding (excluded from MoE routing)
+    attention_mask: torch.Tensor | None  # [1, 1, T_pad, T_pad] bool, True = masked (CPU path)
+    packed_seq_params: object | None  # megatron PackedSeqParams (GPU/TE path)
+    padding_mask: torch.Tensor | None  # [1, T_pad] bool, True = padding (excluded from MoE routing)
     num_tokens: int  # T (real tokens)
 
 
-def packed_inputs(tokens: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device,
-                  pad_multiple: int = 1) -> PackedInputs:
+def packed_inputs(
+    tokens: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device, pad_multiple: int = 1
+) -> PackedInputs:
     """Build model inputs for packed ``tokens: [T]`` with boundaries ``cu_seqlens: [B+1]``.
 
     Padding (for sequence parallelism, T_pad % tp == 0) is its own trailing sequence of token 0,
@@ -56,17 +56,23 @@ def packed_inputs(tokens: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.
 
         cu32 = cu.to(torch.int32).to(device)
         maxlen = int(lens.max())
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
-                              max_seqlen_q=maxlen, max_seqlen_kv=maxlen)
+        psp = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=maxlen, max_seqlen_kv=maxlen
+        )
         mask = None
     else:
         seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
         allowed = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
         mask = (~allowed)[None, None].to(device)
         psp = None
-    return PackedInputs(input_ids=tokens.view(1, -1).to(device), position_ids=pos.view(1, -1).to(device),
-                        attention_mask=mask, packed_seq_params=psp, padding_mask=padding.to(device),
-                        num_tokens=T)
+    return PackedInputs(
+        input_ids=tokens.view(1, -1).to(device),
+        position_ids=pos.view(1, -1).to(device),
+        attention_mask=mask,
+        packed_seq_params=psp,
+        padding_mask=padding.to(device),
+        num_tokens=T,
+    )
 
 
 class _PackedRope:
@@ -75,18 +81,20 @@ class _PackedRope:
     def __init__(self, rope: torch.nn.Module):
         self.rope = rope
         self.original_forward = rope.forward
-        self.positions: Optional[torch.Tensor] = None
+        self.positions: torch.Tensor | None = None
 
     def __call__(self, max_seq_len: int, *args, **kwargs) -> torch.Tensor:
         if self.positions is None:
             return self.original_forward(max_seq_len, *args, **kwargs)
         if int(self.positions.numel()) != int(max_seq_len):
-            raise RuntimeError(f"packed RoPE: {self.positions.numel()} positions for a sequence of {max_seq_len}")
+            raise RuntimeError(
+                f"packed RoPE: {self.positions.numel()} positions for a sequence of {max_seq_len}"
+            )
         emb = self.rope.get_emb(int(self.positions.max()) + 1)  # [P, 1, 1, dim]
         return emb[self.positions]  # [T, 1, 1, dim]
 
 
-def _packed_rope(model: torch.nn.Module) -> Optional[_PackedRope]:
+def _packed_rope(model: torch.nn.Module) -> _PackedRope | None:
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None:
         return None
@@ -113,8 +121,13 @@ def run_model(model: torch.nn.Module, inputs: PackedInputs) -> torch.Tensor:
     if hook is not None:
         hook.positions = inputs.position_ids[0]
     try:
-        out = model(inputs.input_ids, inputs.position_ids, inputs.attention_mask,
-                    packed_seq_params=inputs.packed_seq_params, padding_mask=inputs.padding_mask)
+        out = model(
+            inputs.input_ids,
+            inputs.position_ids,
+            inputs.attention_mask,
+            packed_seq_params=inputs.packed_seq_params,
+            padding_mask=inputs.padding_mask,
+        )
     finally:
         if hook is not None:
             hook.positions = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,10 @@ class LearnerConfig:
     hf_config: Any  # dict, config.json path or model directory
     optim: OptimConfig = field(default_factory=OptimConfig)
     params_dtype: torch.dtype = torch.float32
-    chunk_tokens: Optional[int] = None  # token chunk of the vocab-parallel ops; None: the ops pick ~2**24 elements
-    moe_aux_loss_coeff: Optional[float] = None  # None = from the HF config (router_aux_loss_coef)
+    chunk_tokens: int | None = (
+        None  # token chunk of the vocab-parallel ops; None: the ops pick ~2**24 elements
+    )
+    moe_aux_loss_coeff: float | None = None  # None = from the HF config (router_aux_loss_coef)
     moe_routing_replay: bool = False  # R3: train_step replays batch.routed_experts (see record_routes)
     seed: int = 1234
     # False: a forward-only learner (KL reference, teacher): parameters frozen, no gradient buffers,
@@ -61,10 +63,14 @@ class Learner:
         self.cfg, self.groups = cfg, groups
         self.hf_config = load_hf_config(cfg.hf_config)
         torch.manual_seed(cfg.seed)
-        model = build_gpt_model(self.hf_config, groups, params_dtype=cfg.params_dtype,
-                                moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                                perform_initialization=perform_initialization,
-                                routing_replay=cfg.moe_routing_replay)
+        model = build_gpt_model(
+            self.hf_config,
+            groups,
+            params_dtype=cfg.params_dtype,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            perform_initialization=perform_initialization,
+            routing_replay=cfg.moe_routing_replay,
+        )
         self.spec = model.megarl_spec
         self.config = model.config
         self.config.calculate_per_token_loss = True
@@ -74,10 +80,14 @@ class Learner:
                 p.requires_grad_(False)  # DDP allocates gradient buffers only for trainable parameters
         self.ddp = DistributedDataParallel(
             self.config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                          use_distributed_optimizer=o.use_distributed_optimizer,
-                                          average_in_collective=False),
-            model)
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+                average_in_collective=False,
+            ),
+            model,
+        )
         self.ddp.megarl_spec = self.spec
         self.config.no_sync_func = self.ddp.no_sync
         self.config.finalize_model_grads_func = self._finalize_grads
@@ -86,17 +96,36 @@ class Learner:
         if not cfg.trainable:
             return
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                            clip_grad=o.clip_grad, use_distributed_optimizer=o.use_distributed_optimizer,
-                            bf16=cfg.params_dtype == torch.bfloat16, params_dtype=cfg.params_dtype),
-            [self.ddp], use_gloo_process_groups=False)
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+                bf16=cfg.params_dtype == torch.bfloat16,
+                params_dtype=cfg.params_dtype,
+            ),
+            [self.ddp],
+            use_gloo_process_groups=False,
+        )
         decay = max(o.lr_decay_steps, o.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=decay,
+            self.optimizer,
+            init_lr=0.0 if o.lr_warmup_steps else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=decay,
             lr_decay_style=o.lr_decay_style if o.lr_decay_steps else "constant",
-            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
 
     # ------------------------------------------------------------------------- weights
     @property
@@ -129,8 +158,14 @@ class Learner:
 
         finalize_model_grads(model_chunks, num_tokens=None)  # never rescale: losses are global already
 
-    def _run_schedule(self, micro_batches: list[PackedBatch], loss_func, forward_only: bool,
-                      routing: Optional[str] = None, recorded: Optional[list] = None) -> list:
+    def _run_schedule(
+        self,
+        micro_batches: list[PackedBatch],
+        loss_func,
+        forward_only: bool,
+        routing: str | None = None,
+        recorded: list | None = None,
+    ) -> list:
         """Micro-batches through megatron's schedule. ``routing``: None, 'record' (append each
         micro-batch's local routes to ``recorded``) or 'replay' (use ``mb.routed_experts``)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -154,9 +189,15 @@ class Learner:
         max_len = max(mb.num_tokens for mb in micro_batches)
         max_len = -(-max_len // self._pad_multiple()) * self._pad_multiple()
         try:
-            return fb(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.ddp],
-                      num_microbatches=len(micro_batches), seq_length=max_len, micro_batch_size=1,
-                      forward_only=forward_only)
+            return fb(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[self.ddp],
+                num_microbatches=len(micro_batches),
+                seq_length=max_len,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
         finally:
             if routing is not None:
                 rr.set_action(self.model, None)
@@ -170,8 +211,9 @@ class Learner:
 
     # ------------------------------------------------------------------------- forward only
     @torch.no_grad()
-    def compute_logprobs(self, batch: PackedBatch, num_micro_batches: int = 1,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def compute_logprobs(
+        self, batch: PackedBatch, num_micro_batches: int = 1, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token logprobs ``[T]`` (and entropies ``[T]`` when asked) of ``batch.tokens`` under the
         current weights, aligned to the batch convention (first token of each sequence: 0).
 
@@ -185,8 +227,13 @@ class Learner:
 
         def loss_func(mb: PackedBatch, logits: torch.Tensor):
             aligned = align_logits(logits, mb.cu_seqlens)
-            lp, ent = vocab_parallel_logprobs_entropy(aligned, mb.tokens.to(aligned.device), tp_group,
-                                                      self.cfg.chunk_tokens, with_entropy=with_entropy)
+            lp, ent = vocab_parallel_logprobs_entropy(
+                aligned,
+                mb.tokens.to(aligned.device),
+                tp_group,
+                self.cfg.chunk_tokens,
+                with_entropy=with_entropy,
+            )
             first = mb.cu_seqlens[:-1]
             lp[first] = 0.0
             ent[first] = 0.0
@@ -226,12 +273,22 @@ class Learner:
             self._run_schedule(micro, loss_func, forward_only=True, routing="record", recorded=recorded)
         finally:
             self.ddp.train()
-        return rr.assemble(recorded, [mb.num_tokens for mb in micro], len(self.spec.moe_layers),
-                           self.spec.moe_topk, self.groups)
+        return rr.assemble(
+            recorded,
+            [mb.num_tokens for mb in micro],
+            len(self.spec.moe_layers),
+            self.spec.moe_topk,
+            self.groups,
+        )
 
     # ------------------------------------------------------------------------- training
-    def train_step(self, batch: PackedBatch, objective: Objective, num_micro_batches: int = 1,
-                   normalisers: Optional[GlobalNormalisers] = None) -> dict[str, float]:
+    def train_step(
+        self,
+        batch: PackedBatch,
+        objective: Objective,
+        num_micro_batches: int = 1,
+        normalisers: GlobalNormalisers | None = None,
+    ) -> dict[str, float]:
         """One optimizer step on this rank's ``batch`` (its DP shard of the global batch).
 
         Returns metrics (same on every rank): the objective's metric parts summed over micro-batches
@@ -248,8 +305,9 @@ class Learner:
             batch = objective.prepare(batch, dp_group)
         norms = normalisers or GlobalNormalisers.from_batch(batch, dp_group)
         tp_group = g.tp if g.layout.tp > 1 else None
-        ctx = LossContext(normalisers=norms, tp_group=tp_group, chunk_tokens=self.cfg.chunk_tokens,
-                          step=self.step)
+        ctx = LossContext(
+            normalisers=norms, tp_group=tp_group, chunk_tokens=self.cfg.chunk_tokens, step=self.step
+        )
         micro = batch.split(num_micro_batches)
         s = 1.0 / (len(micro) * g.dp_size)
         self.config.grad_scale_func = lambda t: t * s
@@ -266,12 +324,16 @@ class Learner:
         routing = None
         if self.cfg.moe_routing_replay:
             if batch.routed_experts is None:
-                raise ValueError("moe_routing_replay is on but the batch has no 'routed_experts' "
-                                 "(record them with Learner.record_routes or take them from the engine)")
+                raise ValueError(
+                    "moe_routing_replay is on but the batch has no 'routed_experts' "
+                    "(record them with Learner.record_routes or take them from the engine)"
+                )
             want = (len(self.spec.moe_layers), self.spec.moe_topk)
             if tuple(batch.routed_experts.shape[1:]) != want:
-                raise ValueError(f"batch field 'routed_experts' has shape {tuple(batch.routed_experts.shape)}, "
-                                 f"expected [T, {want[0]}, {want[1]}]")
+                raise ValueError(
+                    f"batch field 'routed_experts' has shape {tuple(batch.routed_experts.shape)}, "
+                    f"expected [T, {want[0]}, {want[1]}]"
+                )
             routing = "replay"
         self.ddp.train()
         self.ddp.zero_grad_buffer()
@@ -282,8 +344,9 @@ class Learner:
             metric_names = sorted(out[0].keys())
         names_holder = [metric_names]
         if g.layout.pp > 1:
-            dist.broadcast_object_list(names_holder, src=dist.get_global_rank(g.pp, g.layout.pp - 1),
-                                       group=g.pp)
+            dist.broadcast_object_list(
+                names_holder, src=dist.get_global_rank(g.pp, g.layout.pp - 1), group=g.pp
+            )
         metric_names = names_holder[0]
         vec = torch.zeros(len(metric_names), dtype=torch.float64, device=g.device)
         if g.is_last_stage:
@@ -301,9 +364,13 @@ class Learner:
         self.config.grad_scale_func = None
         metrics = {k: float(v) for k, v in zip(metric_names, vec.tolist())}
         gn = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics.update(grad_norm=gn, grad_clipped=float(gn > self.cfg.optim.clip_grad > 0),
-                       lr=lr, num_micro_batches=float(len(micro)),
-                       update_successful=float(bool(ok)))
+        metrics.update(
+            grad_norm=gn,
+            grad_clipped=float(gn > self.cfg.optim.clip_grad > 0),
+            lr=lr,
+            num_micro_batches=float(len(micro)),
+            update_successful=float(bool(ok)),
+        )
         if not math.isfinite(gn):
             metrics["nonfinite_grad"] = 1.0
         return metrics

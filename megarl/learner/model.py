@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,9 @@ def model_spec_from_hf(hf: dict) -> ModelSpec:
     """Read the architecture out of a HF config dict; raise ``HFConfigError`` naming bad keys."""
     mt = _need(hf, "model_type", "config")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise HFConfigError(f"config: model_type '{mt}' is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        raise HFConfigError(
+            f"config: model_type '{mt}' is not supported (supported: {SUPPORTED_MODEL_TYPES})"
+        )
     where = f"config ({mt})"
     H = int(_need(hf, "hidden_size", where))
     nh = int(_need(hf, "num_attention_heads", where))
@@ -94,11 +96,16 @@ def model_spec_from_hf(hf: dict) -> ModelSpec:
         only_mlp = set(hf.get("mlp_only_layers") or [])
         moe_layers = tuple(i for i in range(L) if i not in only_mlp and (i + 1) % step == 0)
     return ModelSpec(
-        model_type=mt, vocab_size=int(_need(hf, "vocab_size", where)), hidden_size=H, num_layers=L,
-        num_heads=nh, num_kv_heads=int(hf.get("num_key_value_heads") or nh),
+        model_type=mt,
+        vocab_size=int(_need(hf, "vocab_size", where)),
+        hidden_size=H,
+        num_layers=L,
+        num_heads=nh,
+        num_kv_heads=int(hf.get("num_key_value_heads") or nh),
         head_dim=int(hf.get("head_dim") or H // nh),
         ffn_hidden_size=int(_need(hf, "intermediate_size", where)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
         qk_layernorm=mt.startswith("qwen3"),
         qkv_bias=bool(hf.get("attention_bias", mt == "qwen2")),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -112,11 +119,16 @@ def model_spec_from_hf(hf: dict) -> ModelSpec:
     )
 
 
-def transformer_config_from_spec(spec: ModelSpec, groups: ParallelGroups, *,
-                                 params_dtype: torch.dtype = torch.float32,
-                                 moe_aux_loss_coeff: Optional[float] = None,
-                                 perform_initialization: bool = True,
-                                 init_method_std: float = 0.02, routing_replay: bool = False):
+def transformer_config_from_spec(
+    spec: ModelSpec,
+    groups: ParallelGroups,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    moe_aux_loss_coeff: float | None = None,
+    perform_initialization: bool = True,
+    init_method_std: float = 0.02,
+    routing_replay: bool = False,
+):
     """megatron-core ``TransformerConfig`` for ``spec`` under ``groups.layout``.
 
     fp32 on CPU; bf16 only when asked on CUDA. Dropout 0 (RL post-training default).
@@ -127,46 +139,73 @@ def transformer_config_from_spec(spec: ModelSpec, groups: ParallelGroups, *,
     if spec.vocab_size % lay.tp:
         raise HFConfigError(f"vocab_size {spec.vocab_size} is not divisible by tp={lay.tp}")
     if spec.num_kv_heads % lay.tp or spec.num_heads % lay.tp:
-        raise HFConfigError(f"num_attention_heads {spec.num_heads} and num_key_value_heads "
-                            f"{spec.num_kv_heads} must be divisible by tp={lay.tp}")
+        raise HFConfigError(
+            f"num_attention_heads {spec.num_heads} and num_key_value_heads "
+            f"{spec.num_kv_heads} must be divisible by tp={lay.tp}"
+        )
     if spec.num_layers % lay.pp:
         raise HFConfigError(f"num_hidden_layers {spec.num_layers} is not divisible by pp={lay.pp}")
     if spec.is_moe and spec.num_experts % lay.ep:
         raise HFConfigError(f"num_experts {spec.num_experts} is not divisible by ep={lay.ep}")
     if spec.is_moe and lay.tp > 1 and not lay.sequence_parallel:
-        raise HFConfigError(f"MoE with tp={lay.tp} needs sequence_parallel=True (megatron-core refuses "
-                            "MoE + TP without SP in training)")
+        raise HFConfigError(
+            f"MoE with tp={lay.tp} needs sequence_parallel=True (megatron-core refuses "
+            "MoE + TP without SP in training)"
+        )
     on_gpu = use_cuda()
     kw: dict[str, Any] = dict(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_layernorm,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.etp,
-        context_parallel_size=lay.cp, sequence_parallel=lay.sequence_parallel,
-        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
-        pipeline_dtype=params_dtype, init_method_std=init_method_std,
-        use_cpu_initialization=not on_gpu, perform_initialization=perform_initialization,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        attention_softmax_in_fp32=True, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=lay.tp,
+        pipeline_model_parallel_size=lay.pp,
+        expert_model_parallel_size=lay.ep,
+        expert_tensor_parallel_size=lay.etp,
+        context_parallel_size=lay.cp,
+        sequence_parallel=lay.sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        init_method_std=init_method_std,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=perform_initialization,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        attention_softmax_in_fp32=True,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
     )
     if spec.is_moe:
         if len(spec.moe_layers) != spec.num_layers:
             kw["moe_layer_freq"] = [1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)]
         kw.update(
-            num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+            num_moe_experts=spec.num_experts,
+            moe_router_topk=spec.moe_topk,
             moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
             # norm_topk_prob: softmax over the top-k logits == top-k of softmax, renormalised.
             moe_router_pre_softmax=not spec.moe_norm_topk_prob,
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=spec.moe_aux_loss_coeff if moe_aux_loss_coeff is None else moe_aux_loss_coeff,
-            moe_grouped_gemm=on_gpu, moe_permute_fusion=False,
-            moe_router_dtype="fp32", moe_enable_routing_replay=routing_replay,
+            moe_grouped_gemm=on_gpu,
+            moe_permute_fusion=False,
+            moe_router_dtype="fp32",
+            moe_enable_routing_replay=routing_replay,
         )
     return TransformerConfig(**kw)
 
@@ -186,9 +225,11 @@ def layer_spec(config, spec: ModelSpec):
     n_exp = spec.num_experts or None
     if te:
         return gls.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=n_exp, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_layernorm)
+            num_experts=n_exp, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_layernorm
+        )
     return gls.get_gpt_layer_local_spec(
-        num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+        num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
+    )
 
 
 def uses_te_spec() -> bool:
@@ -202,9 +243,15 @@ def uses_te_spec() -> bool:
     return True
 
 
-def build_gpt_model(hf_config: dict | str | os.PathLike, groups: ParallelGroups, *,
-                    params_dtype: torch.dtype = torch.float32, moe_aux_loss_coeff: Optional[float] = None,
-                    perform_initialization: bool = True, routing_replay: bool = False):
+def build_gpt_model(
+    hf_config: dict | str | os.PathLike,
+    groups: ParallelGroups,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    moe_aux_loss_coeff: float | None = None,
+    perform_initialization: bool = True,
+    routing_replay: bool = False,
+):
     """Build this rank's pipeline stage of the model (a ``GPTModel``) under ``groups``.
 
     Logits come out vocab-parallel (``parallel_output=True``): ``[B, S, V/tp]``.
@@ -213,18 +260,27 @@ def build_gpt_model(hf_config: dict | str | os.PathLike, groups: ParallelGroups,
     from megatron.core.models.gpt import GPTModel
 
     spec = model_spec_from_hf(load_hf_config(hf_config))
-    config = transformer_config_from_spec(spec, groups, params_dtype=params_dtype,
-                                          moe_aux_loss_coeff=moe_aux_loss_coeff,
-                                          perform_initialization=perform_initialization,
-                                          routing_replay=routing_replay)
+    config = transformer_config_from_spec(
+        spec,
+        groups,
+        params_dtype=params_dtype,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
+        perform_initialization=perform_initialization,
+        routing_replay=routing_replay,
+    )
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(config, spec), vocab_size=spec.vocab_size,
-        max_sequence_length=spec.max_position_embeddings, pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage, parallel_output=True,
+        config=config,
+        transformer_layer_spec=layer_spec(config, spec),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=int(spec.rope_theta)
-        if float(spec.rope_theta).is_integer() else spec.rope_theta,
-        pg_collection=groups.pg_collection)
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        pg_collection=groups.pg_collection,
+    )
     model.to(groups.device)
     model.megarl_spec = spec
     return model

@@ -39,8 +39,9 @@ class ParallelLayout:
             raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp={mp} ({self})")
         dp = world_size // mp
         if (dp * self.cp * self.tp) % (self.ep * self.etp):
-            raise ValueError(f"ep*expert_tp={self.ep * self.etp} must divide dp*cp*tp="
-                             f"{dp * self.cp * self.tp} ({self})")
+            raise ValueError(
+                f"ep*expert_tp={self.ep * self.etp} must divide dp*cp*tp={dp * self.cp * self.tp} ({self})"
+            )
         if self.ep == 1 and self.etp != self.tp:
             # megatron-core 0.16 marks experts as dense params when ep == 1, so their gradients
             # would only be reduced over DP, not over the TP ranks that saw other tokens.
@@ -119,8 +120,9 @@ def init_distributed(timeout_s: float = 120.0) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
@@ -180,12 +182,21 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda() else torch.device("cpu")
     return ParallelGroups(
-        layout=layout, world_size=world, rank=dist.get_rank(),
-        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
-        ep=ps.get_expert_model_parallel_group(), cp=ps.get_context_parallel_group(),
-        dp=ps.get_data_parallel_group(), dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
-        expt_dp=ps.get_expert_data_parallel_group(), expt_tp=ps.get_expert_tensor_parallel_group(), mp=ps.get_model_parallel_group(),
-        pg_collection=pgc, device=device)
+        layout=layout,
+        world_size=world,
+        rank=dist.get_rank(),
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(),
+        cp=ps.get_context_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+        expt_dp=ps.get_expert_data_parallel_group(),
+        expt_tp=ps.get_expert_tensor_parallel_group(),
+        mp=ps.get_model_parallel_group(),
+        pg_collection=pgc,
+        device=device,
+    )
 
 
 def destroy_parallel() -> None:

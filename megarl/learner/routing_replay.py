@@ -12,8 +12,6 @@ holds some of the layers. ``collect`` gathers both so every rank gets the full t
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -33,17 +31,21 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[int, object]]:
         if router is None:
             continue
         if router.router_replay is None:
-            raise RoutingReplayError("the model was built without moe_enable_routing_replay "
-                                     "(LearnerConfig.moe_routing_replay=False)")
+            raise RoutingReplayError(
+                "the model was built without moe_enable_routing_replay "
+                "(LearnerConfig.moe_routing_replay=False)"
+            )
         out.append((spec.moe_layers.index(layer.layer_number - 1), router.router_replay))
     return out
 
 
-def set_action(model: torch.nn.Module, action: Optional[str]) -> None:
+def set_action(model: torch.nn.Module, action: str | None) -> None:
     """'record', 'replay' or None (normal routing) on every MoE router of this stage."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    act = {"record": RouterReplayAction.RECORD, "replay": RouterReplayAction.REPLAY_FORWARD, None: None}[action]
+    act = {"record": RouterReplayAction.RECORD, "replay": RouterReplayAction.REPLAY_FORWARD, None: None}[
+        action
+    ]
     for _, rr in moe_routers(model):
         rr.clear_indices()
         if act is None:
@@ -60,8 +62,9 @@ def local_token_slice(num_tokens_padded: int, groups: ParallelGroups) -> slice:
     return slice(groups.tp_rank * n, (groups.tp_rank + 1) * n)
 
 
-def set_replay_targets(model: torch.nn.Module, routed_experts: torch.Tensor, num_tokens_padded: int,
-                       groups: ParallelGroups) -> None:
+def set_replay_targets(
+    model: torch.nn.Module, routed_experts: torch.Tensor, num_tokens_padded: int, groups: ParallelGroups
+) -> None:
     """Before a micro-batch forward: give each local router its recorded experts.
 
     routed_experts: [T, n_moe_layers, topk] of the micro-batch; padding tokens (T..T_pad) get
@@ -89,8 +92,13 @@ def collect_local(model: torch.nn.Module) -> dict[int, torch.Tensor]:
     return out
 
 
-def assemble(per_micro: list[dict[int, torch.Tensor]], micro_tokens: list[int], num_moe_layers: int,
-             topk: int, groups: ParallelGroups) -> torch.Tensor:
+def assemble(
+    per_micro: list[dict[int, torch.Tensor]],
+    micro_tokens: list[int],
+    num_moe_layers: int,
+    topk: int,
+    groups: ParallelGroups,
+) -> torch.Tensor:
     """Per-micro-batch local records -> the full ``[T, n_moe_layers, topk]`` on every rank (collective)."""
     local = {}
     for mb, T in zip(per_micro, micro_tokens):

@@ -5,17 +5,20 @@ Nothing heavy is imported here: the contained worker imports ``megarl.rewards.sa
 start fast (no torch).
 """
 
-__all__ = ["exact_match", "regex_match", "RewardComputer", "RewardResult", "ContainedFunction"]
+__all__ = ["ContainedFunction", "RewardComputer", "RewardResult", "exact_match", "regex_match"]
 
 
 def __getattr__(name):
     if name in ("exact_match", "regex_match"):
         from megarl.rewards import builtin
+
         return getattr(builtin, name)
     if name in ("RewardComputer", "RewardResult"):
         from megarl.rewards import compute
+
         return getattr(compute, name)
     if name == "ContainedFunction":
         from megarl.rewards.sandbox import ContainedFunction
+
         return ContainedFunction
     raise AttributeError(name)

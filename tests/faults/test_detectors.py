@@ -42,10 +42,15 @@ def test_spike_std_floor_keeps_a_constant_series_from_flagging_noise():
 
 def test_nonfinite_loss_and_grad_norm_are_one_event_naming_both():
     s = DetectorSuite(DetectorConfig())
-    ev = s.check(3, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "train/update_successful": 0.0})
+    ev = s.check(
+        3, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "train/update_successful": 0.0}
+    )
     assert types(ev) == ["nonfinite"]
-    assert ev[0]["step"] == 3 and ev[0]["detail"] == {"loss": "nan", "grad_norm": "inf",
-                                                      "optimizer_step_skipped": True}
+    assert ev[0]["step"] == 3 and ev[0]["detail"] == {
+        "loss": "nan",
+        "grad_norm": "inf",
+        "optimizer_step_skipped": True,
+    }
     assert s.check(4, {"train/loss": 0.1, "train/grad_norm": 1.0}) == []
 
 
@@ -95,14 +100,17 @@ def test_suite_state_round_trip_gives_the_same_verdicts():
     assert "grad_norm_spike" in types(b.check(7, dict(rec)))
 
 
-@pytest.mark.parametrize("bad, msg", [
-    (FaultsConfig(inject=[InjectionConfig(kind="nan", target="")]), "target is required"),
-    (FaultsConfig(inject=[InjectionConfig(kind="fp16", target="x", where="grad")]), "only for kinds"),
-    (FaultsConfig(inject=[InjectionConfig(step=0, target="x")]), "step=0"),
-    (FaultsConfig(dump_on=["nan"]), "faults.dump_on[0]='nan'"),
-    (FaultsConfig(dump_steps=[0]), "dump_steps[0]"),
-    (FaultsConfig(detectors=DetectorConfig(spike_beta=1.0)), "spike_beta"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (FaultsConfig(inject=[InjectionConfig(kind="nan", target="")]), "target is required"),
+        (FaultsConfig(inject=[InjectionConfig(kind="fp16", target="x", where="grad")]), "only for kinds"),
+        (FaultsConfig(inject=[InjectionConfig(step=0, target="x")]), "step=0"),
+        (FaultsConfig(dump_on=["nan"]), "faults.dump_on[0]='nan'"),
+        (FaultsConfig(dump_steps=[0]), "dump_steps[0]"),
+        (FaultsConfig(detectors=DetectorConfig(spike_beta=1.0)), "spike_beta"),
+    ],
+)
 def test_bad_faults_config_names_the_key(bad, msg):
     with pytest.raises(ValueError) as e:
         validate_faults(bad)
@@ -113,8 +121,16 @@ def test_trainer_config_loads_the_faults_section():
     from megarl.trainer.config import ConfigError, from_dict
 
     base = {"model": {"hf_config": {"model_type": "qwen3"}}, "data": {"train": "x.jsonl"}}
-    cfg = from_dict({**base, "faults": {"inject": [{"kind": "nan", "target": "decoder", "step": 3}],
-                                        "detectors": {"spike_z": 4.0}, "dump_on": ["nonfinite"]}})
+    cfg = from_dict(
+        {
+            **base,
+            "faults": {
+                "inject": [{"kind": "nan", "target": "decoder", "step": 3}],
+                "detectors": {"spike_z": 4.0},
+                "dump_on": ["nonfinite"],
+            },
+        }
+    )
     assert cfg.faults.inject[0].step == 3 and cfg.faults.detectors.spike_z == 4.0
     with pytest.raises(ConfigError, match=r"unknown key faults.inject\[0\].stepp"):
         from_dict({**base, "faults": {"inject": [{"kind": "nan", "target": "decoder", "stepp": 3}]}})

@@ -44,7 +44,9 @@ def test_nan_in_a_module_output_only_while_armed():
 
 def test_inf_in_a_parameter_gradient():
     m, x = Tiny(), torch.randn(4, 8)
-    inj = Injector(m, [InjectionConfig(kind="inf", target="mlp.0.weight", where="grad", step=1, fraction=0.1)])
+    inj = Injector(
+        m, [InjectionConfig(kind="inf", target="mlp.0.weight", where="grad", step=1, fraction=0.1)]
+    )
     inj.arm(1)
     out, _ = run(m, x)
     inj.disarm()
@@ -101,9 +103,14 @@ def test_logits_perturbation_hits_the_output_layer():
 def test_poisoned_batch_advantages_and_tokens():
     b = from_sequences([[2, 3, 4], [2, 5]], [[6, 7, 8, 9], [10, 11]], [0, 0])
     b.advantages = torch.ones(b.num_tokens)
-    inj = Injector(Tiny(), [InjectionConfig(kind="poison", field="advantages", scale=1e6, step=2),
-                            InjectionConfig(kind="poison", field="tokens", fraction=0.5, step=2, seed=3)],
-                   vocab_size=100)
+    inj = Injector(
+        Tiny(),
+        [
+            InjectionConfig(kind="poison", field="advantages", scale=1e6, step=2),
+            InjectionConfig(kind="poison", field="tokens", fraction=0.5, step=2, seed=3),
+        ],
+        vocab_size=100,
+    )
     same, specs = inj.poison(b, 1)
     assert same is b and specs == []
     bad, specs = inj.poison(b, 2)

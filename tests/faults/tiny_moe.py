@@ -17,11 +17,25 @@ def make_moe_dir(out: Path, experts: int = 8, topk: int = 2, layers: int = 2, se
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_experts=experts, num_experts_per_tok=topk, norm_topk_prob=True,
-                         max_position_embeddings=64, router_aux_loss_coef=0.01, tie_word_embeddings=False,
-                         bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=experts,
+        num_experts_per_tok=topk,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        router_aux_loss_coef=0.01,
+        tie_word_embeddings=False,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out)
     save_char_tokenizer(Path(out))
@@ -41,8 +55,9 @@ def save_char_tokenizer(out: Path) -> Path:
     vocab.update({c: ct.encode(c, bos=False)[0] for c in ALPHABET})
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", bos_token="<bos>",
-                            pad_token="<pad>").save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>"
+    ).save_pretrained(out)
     return Path(out)
 
 

@@ -9,6 +9,7 @@ measured numbers and ``ok``. tests/learner/test_learner_dist.py launches this an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -20,8 +21,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from megarl.batch import PackedBatch  # noqa: E402
-from megarl.catalogue import load_builtin  # noqa: E402
+from megarl.batch import PackedBatch
+from megarl.catalogue import load_builtin
 
 load_builtin()
 from megarl.convert.hf_megatron import ConversionError, iter_hf_tensors, load_hf_into_model  # noqa: E402
@@ -40,12 +41,26 @@ PARAM_TOL = 3e-5
 # ----------------------------------------------------------------------------- fixtures
 def tiny_hf_config(moe: bool, aux: float = 0.0) -> dict:
     """A tiny Qwen3 / Qwen3-MoE config (transformers config kwargs)."""
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                max_position_embeddings=512, rms_norm_eps=1e-6)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
     if moe:
-        base.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                    router_aux_loss_coef=aux)
+        base.update(
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            router_aux_loss_coef=aux,
+        )
     return base
 
 
@@ -74,30 +89,44 @@ def make_batch(seed: int, lens=(7, 13, 5, 9), prompt=3) -> PackedBatch:
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
     mask = torch.zeros(T)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        mask[a + prompt:b] = 1.0
-    return PackedBatch(tokens=torch.randint(0, VOCAB, (T,), generator=g), cu_seqlens=cu,
-                       prompt_lens=torch.full((len(lens),), prompt), loss_mask=mask,
-                       group_ids=torch.arange(len(lens)) // 2,
-                       advantages=torch.randn(T, generator=g)).validate()
+        mask[a + prompt : b] = 1.0
+    return PackedBatch(
+        tokens=torch.randint(0, VOCAB, (T,), generator=g),
+        cu_seqlens=cu,
+        prompt_lens=torch.full((len(lens),), prompt),
+        loss_mask=mask,
+        group_ids=torch.arange(len(lens)) // 2,
+        advantages=torch.randn(T, generator=g),
+    ).validate()
 
 
 class PolicyGradientObjective:
     """Test objective: token-mean of -logprob * advantage, plus an entropy metric."""
 
     def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput:
-        lp, ent = vocab_parallel_logprobs_entropy(logits, batch.tokens.to(logits.device), ctx.tp_group,
-                                                  ctx.chunk_tokens)
+        lp, ent = vocab_parallel_logprobs_entropy(
+            logits, batch.tokens.to(logits.device), ctx.tp_group, ctx.chunk_tokens
+        )
         m = batch.loss_mask.to(lp)
         n = ctx.normalisers.num_tokens
         loss = -(lp * batch.advantages.to(lp) * m).sum() / n
-        return LossOutput(loss=loss, metrics={"pg_loss": loss.detach(), "entropy": (ent * m).sum().detach() / n})
+        return LossOutput(
+            loss=loss, metrics={"pg_loss": loss.detach(), "entropy": (ent * m).sum().detach() / n}
+        )
 
 
-def learner_for(layout: ParallelLayout, hf_dir: str, optim: OptimConfig | None = None,
-                aux: float | None = 0.0) -> Learner:
+def learner_for(
+    layout: ParallelLayout, hf_dir: str, optim: OptimConfig | None = None, aux: float | None = 0.0
+) -> Learner:
     groups = initialize_parallel(layout)
-    ln = Learner(LearnerConfig(hf_config=hf_dir, optim=optim or OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6),
-                               moe_aux_loss_coeff=aux), groups)
+    ln = Learner(
+        LearnerConfig(
+            hf_config=hf_dir,
+            optim=optim or OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6),
+            moe_aux_loss_coeff=aux,
+        ),
+        groups,
+    )
     ln.load_hf(hf_dir)
     return ln
 
@@ -109,8 +138,9 @@ def dp_shard(batch: PackedBatch, ln: Learner) -> PackedBatch:
 
 def last_stage_logits(ln: Learner, batch: PackedBatch) -> torch.Tensor | None:
     """Unaligned logits [T, V/tp] via the forward-only schedule (works for any PP)."""
+
     def loss_func(mb, logits):
-        return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logits": logits[:mb.num_tokens]}
+        return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logits": logits[: mb.num_tokens]}
 
     with torch.no_grad():
         out = ln._run_schedule([batch], loss_func, forward_only=True)
@@ -120,7 +150,7 @@ def last_stage_logits(ln: Learner, batch: PackedBatch) -> torch.Tensor | None:
 def hf_logits_per_seq(hf, batch: PackedBatch) -> torch.Tensor:
     cu = batch.cu_seqlens.tolist()
     with torch.no_grad():
-        return torch.cat([hf(batch.tokens[None, a:b]).logits[0] for a, b in zip(cu[:-1], cu[1:])])
+        return torch.cat([hf(batch.tokens[None, a:b]).logits[0] for a, b in itertools.pairwise(cu)])
 
 
 def max_over_world(x: float) -> float:
@@ -129,11 +159,18 @@ def max_over_world(x: float) -> float:
     return float(t)
 
 
-LAYOUTS = {"tp1": ParallelLayout(), "tp2": ParallelLayout(tp=2), "tp2sp": ParallelLayout(tp=2, sequence_parallel=True),
-           "pp2": ParallelLayout(pp=2), "ep2": ParallelLayout(ep=2), "tp2ep2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
-           # four ranks
-           "tp2pp2": ParallelLayout(tp=2, pp=2), "tp2ep2dp2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
-           "tp2pp2ep2": ParallelLayout(tp=2, pp=2, ep=2, sequence_parallel=True, expert_tp=1)}
+LAYOUTS = {
+    "tp1": ParallelLayout(),
+    "tp2": ParallelLayout(tp=2),
+    "tp2sp": ParallelLayout(tp=2, sequence_parallel=True),
+    "pp2": ParallelLayout(pp=2),
+    "ep2": ParallelLayout(ep=2),
+    "tp2ep2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
+    # four ranks
+    "tp2pp2": ParallelLayout(tp=2, pp=2),
+    "tp2ep2dp2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
+    "tp2pp2ep2": ParallelLayout(tp=2, pp=2, ep=2, sequence_parallel=True, expert_tp=1),
+}
 
 
 # ----------------------------------------------------------------------------- cases
@@ -148,7 +185,7 @@ def case_parity(args, moe: bool, layout_name: str) -> dict:
     if out is not None:
         V = VOCAB // ln.groups.layout.tp
         r = ln.groups.tp_rank
-        diff = float((out - ref[:, r * V:(r + 1) * V]).abs().max())
+        diff = float((out - ref[:, r * V : (r + 1) * V]).abs().max())
     diff = max_over_world(diff)
     return {"max_abs_diff": diff, "ok": diff <= PARITY_TOL}
 
@@ -180,11 +217,18 @@ def case_corrupt(args, moe: bool, layout_name: str) -> dict:
     sd = load_file(os.path.join(d, "model.safetensors"))
     results = {}
     variants = {
-        "missing": ({k: v for k, v in sd.items() if k != "model.layers.1.self_attn.k_proj.weight"},
-                    "model.layers.1.self_attn.k_proj.weight"),
-        "unknown": (dict(sd, **{"model.layers.0.mlp.extra_bias": torch.zeros(3)}), "model.layers.0.mlp.extra_bias"),
-        "unused": (dict(sd, **{"model.layers.7.input_layernorm.weight": torch.zeros(64)}),
-                   "model.layers.7.input_layernorm.weight"),
+        "missing": (
+            {k: v for k, v in sd.items() if k != "model.layers.1.self_attn.k_proj.weight"},
+            "model.layers.1.self_attn.k_proj.weight",
+        ),
+        "unknown": (
+            dict(sd, **{"model.layers.0.mlp.extra_bias": torch.zeros(3)}),
+            "model.layers.0.mlp.extra_bias",
+        ),
+        "unused": (
+            dict(sd, **{"model.layers.7.input_layernorm.weight": torch.zeros(64)}),
+            "model.layers.7.input_layernorm.weight",
+        ),
         "shape": (dict(sd, **{"model.norm.weight": torch.zeros(63)}), "model.norm.weight"),
     }
     for name, (bad_sd, key) in variants.items():
@@ -207,14 +251,18 @@ def case_logprobs(args, moe: bool, layout_name: str) -> dict:
     ref_lp = torch.zeros_like(lp)
     ref_ent = torch.zeros_like(lp)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        ref_lp[a + 1:b] = ref[a:b - 1].gather(-1, batch.tokens[a + 1:b, None])[:, 0]
-        ref_ent[a + 1:b] = -(ref[a:b - 1].exp() * ref[a:b - 1]).sum(-1)
+        ref_lp[a + 1 : b] = ref[a : b - 1].gather(-1, batch.tokens[a + 1 : b, None])[:, 0]
+        ref_ent[a + 1 : b] = -(ref[a : b - 1].exp() * ref[a : b - 1]).sum(-1)
     single = torch.cat([ln.compute_logprobs(batch.select([i]))[0] for i in range(batch.num_seqs)])
     d_hf = float((lp - ref_lp).abs().max())
     d_ent = float((ent - ref_ent).abs().max())
     d_single = float((lp - single).abs().max())
-    return {"vs_hf": d_hf, "entropy_vs_hf": d_ent, "packed_vs_single": d_single,
-            "ok": d_hf <= PARITY_TOL and d_ent <= PARITY_TOL and d_single <= 1e-5}
+    return {
+        "vs_hf": d_hf,
+        "entropy_vs_hf": d_ent,
+        "packed_vs_single": d_single,
+        "ok": d_hf <= PARITY_TOL and d_ent <= PARITY_TOL and d_single <= 1e-5,
+    }
 
 
 def case_frozen(args, moe: bool, layout_name: str) -> dict:
@@ -235,8 +283,16 @@ def case_frozen(args, moe: bool, layout_name: str) -> dict:
         refused = False
     except RuntimeError:
         refused = True
-    return {"logprob_diff": diff, "grad_buffer_elems": grad_buffers, "trainable_grad_buffer_elems": full_buffers,
-            "ok": diff <= 1e-5 and frozen.optimizer is None and grad_buffers == 0 and full_buffers > 0 and refused}
+    return {
+        "logprob_diff": diff,
+        "grad_buffer_elems": grad_buffers,
+        "trainable_grad_buffer_elems": full_buffers,
+        "ok": diff <= 1e-5
+        and frozen.optimizer is None
+        and grad_buffers == 0
+        and full_buffers > 0
+        and refused,
+    }
 
 
 _REF: dict = {}
@@ -248,7 +304,9 @@ def _train_once(args, layout_name: str, moe: bool, num_micro: int, steps: int = 
     batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
     metrics = []
     for _ in range(steps):
-        metrics.append(ln.train_step(dp_shard(batch, ln), PolicyGradientObjective(), num_micro_batches=num_micro))
+        metrics.append(
+            ln.train_step(dp_shard(batch, ln), PolicyGradientObjective(), num_micro_batches=num_micro)
+        )
     params = dict(iter_hf_tensors(ln.model, ln.groups))
     return metrics, params
 
@@ -256,7 +314,7 @@ def _train_once(args, layout_name: str, moe: bool, num_micro: int, steps: int = 
 def case_invariance(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
     """Same global batch and weights -> same loss, grad norm, updated params as the reference layout
     (tp1 with DP over the world, one micro-batch). The first call records the reference."""
-    key = ("moe" if moe else "dense")
+    key = "moe" if moe else "dense"
     if key not in _REF:
         _REF[key] = _train_once(args, "tp1", moe, 1, steps=2)
     ref_m, ref_p = _REF[key]
@@ -265,9 +323,14 @@ def case_invariance(args, moe: bool, layout_name: str, num_micro: int = 2) -> di
     d_gn = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(m, ref_m))
     d_par = max(float((p[k] - ref_p[k]).abs().max()) for k in ref_p)
     d_par = max_over_world(d_par)
-    return {"loss": [x["loss"] for x in m], "grad_norm": [x["grad_norm"] for x in m], "d_loss": d_loss,
-            "d_grad_norm": d_gn, "d_params": d_par,
-            "ok": d_loss <= 1e-5 and d_gn <= 1e-5 * max(1.0, ref_m[0]["grad_norm"]) and d_par <= PARAM_TOL}
+    return {
+        "loss": [x["loss"] for x in m],
+        "grad_norm": [x["grad_norm"] for x in m],
+        "d_loss": d_loss,
+        "d_grad_norm": d_gn,
+        "d_params": d_par,
+        "ok": d_loss <= 1e-5 and d_gn <= 1e-5 * max(1.0, ref_m[0]["grad_norm"]) and d_par <= PARAM_TOL,
+    }
 
 
 def case_checkpoint(args, moe: bool, layout_name: str, load_layout: str | None = None) -> dict:
@@ -277,26 +340,46 @@ def case_checkpoint(args, moe: bool, layout_name: str, load_layout: str | None =
     _, d = make_hf_model(moe, args.workdir)
     batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
     ckpt = os.path.join(args.workdir, f"ckpt-{'moe' if moe else 'dense'}-{layout_name}-{load_layout}")
-    ln = learner_for(LAYOUTS[layout_name], d, optim=OptimConfig(lr=1e-3, adam_eps=1e-6, lr_warmup_steps=1,
-                                                               lr_decay_steps=5, lr_decay_style="cosine"))
+    ln = learner_for(
+        LAYOUTS[layout_name],
+        d,
+        optim=OptimConfig(
+            lr=1e-3, adam_eps=1e-6, lr_warmup_steps=1, lr_decay_steps=5, lr_decay_style="cosine"
+        ),
+    )
     ln.train_step(dp_shard(batch, ln), PolicyGradientObjective(), num_micro_batches=1)
     save_checkpoint(ln, ckpt)
     m_ref = ln.train_step(dp_shard(batch, ln), PolicyGradientObjective(), num_micro_batches=1)
     p_ref = dict(iter_hf_tensors(ln.model, ln.groups))
-    ln2 = learner_for(LAYOUTS[load_layout or layout_name], d,
-                      optim=OptimConfig(lr=1e-3, adam_eps=1e-6, lr_warmup_steps=1, lr_decay_steps=5,
-                                        lr_decay_style="cosine"))
+    ln2 = learner_for(
+        LAYOUTS[load_layout or layout_name],
+        d,
+        optim=OptimConfig(
+            lr=1e-3, adam_eps=1e-6, lr_warmup_steps=1, lr_decay_steps=5, lr_decay_style="cosine"
+        ),
+    )
     meta = load_checkpoint(ln2, ckpt)
     m = ln2.train_step(dp_shard(batch, ln2), PolicyGradientObjective(), num_micro_batches=1)
     p = dict(iter_hf_tensors(ln2.model, ln2.groups))
     d_par = max_over_world(max(float((p[k] - p_ref[k]).abs().max()) for k in p_ref))
     same = load_layout in (None, layout_name)
     tol = 0.0 if same else PARAM_TOL
-    res = {"step": ln2.step, "lr": [m_ref["lr"], m["lr"]], "loss": [m_ref["loss"], m["loss"]],
-           "d_params": d_par, "d_loss": abs(m["loss"] - m_ref["loss"]), "rng_restored": meta["rng_restored"],
-           "tmp_left": os.path.exists(ckpt + ".tmp-megarl")}
-    res["ok"] = (d_par <= tol and res["d_loss"] <= (0.0 if same else 1e-5) and ln2.step == 2
-                 and m["lr"] == m_ref["lr"] and not res["tmp_left"])
+    res = {
+        "step": ln2.step,
+        "lr": [m_ref["lr"], m["lr"]],
+        "loss": [m_ref["loss"], m["loss"]],
+        "d_params": d_par,
+        "d_loss": abs(m["loss"] - m_ref["loss"]),
+        "rng_restored": meta["rng_restored"],
+        "tmp_left": os.path.exists(ckpt + ".tmp-megarl"),
+    }
+    res["ok"] = (
+        d_par <= tol
+        and res["d_loss"] <= (0.0 if same else 1e-5)
+        and ln2.step == 2
+        and m["lr"] == m_ref["lr"]
+        and not res["tmp_left"]
+    )
     return res
 
 
@@ -307,13 +390,15 @@ def case_export(args, moe: bool, layout_name: str) -> dict:
 
     from megarl.convert.hf_megatron import iter_hf_buckets, save_hf_checkpoint
 
-    hf, d = make_hf_model(moe, args.workdir)
+    _hf, d = make_hf_model(moe, args.workdir)
     ln = learner_for(LAYOUTS[layout_name], d)
     batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
     ln.train_step(dp_shard(batch, ln), PolicyGradientObjective())
     bucket_bytes = 40_000
-    sizes = [sum(t.numel() * t.element_size() for t in b.values()) for b in iter_hf_buckets(ln.model, ln.groups,
-                                                                                            bucket_bytes)]
+    sizes = [
+        sum(t.numel() * t.element_size() for t in b.values())
+        for b in iter_hf_buckets(ln.model, ln.groups, bucket_bytes)
+    ]
     biggest_tensor = max(t.numel() * t.element_size() for _, t in iter_hf_tensors(ln.model, ln.groups))
     out = os.path.join(args.workdir, f"export-{'moe' if moe else 'dense'}-{layout_name}")
     hf_cfg = _json.load(open(os.path.join(d, "config.json")))
@@ -327,14 +412,20 @@ def case_export(args, moe: bool, layout_name: str) -> dict:
     ref = torch.log_softmax(hf_logits_per_seq(reloaded, probe), -1)
     ref_lp = torch.zeros_like(lp)
     cu = probe.cu_seqlens.tolist()
-    for a, b in zip(cu[:-1], cu[1:]):
-        ref_lp[a + 1:b] = ref[a:b - 1].gather(-1, probe.tokens[a + 1:b, None])[:, 0]
+    for a, b in itertools.pairwise(cu):
+        ref_lp[a + 1 : b] = ref[a : b - 1].gather(-1, probe.tokens[a + 1 : b, None])[:, 0]
     diff = float((lp - ref_lp).abs().max())
     ok_sizes = all(s <= max(bucket_bytes, biggest_tensor) for s in sizes)
     n_files = len([f for f in os.listdir(out) if f.endswith(".safetensors")])
-    return {"num_buckets": len(sizes), "max_bucket_bytes": max(sizes), "bucket_bytes": bucket_bytes,
-            "biggest_tensor_bytes": biggest_tensor, "files": n_files, "logprob_diff_vs_reloaded": diff,
-            "ok": ok_sizes and len(sizes) > 1 and n_files == len(sizes) and diff <= PARITY_TOL}
+    return {
+        "num_buckets": len(sizes),
+        "max_bucket_bytes": max(sizes),
+        "bucket_bytes": bucket_bytes,
+        "biggest_tensor_bytes": biggest_tensor,
+        "files": n_files,
+        "logprob_diff_vs_reloaded": diff,
+        "ok": ok_sizes and len(sizes) > 1 and n_files == len(sizes) and diff <= PARITY_TOL,
+    }
 
 
 def case_objective(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
@@ -352,7 +443,9 @@ def case_objective(args, moe: bool, layout_name: str, num_micro: int = 2) -> dic
     m = batch.loss_mask
     batch.old_logprobs = torch.clamp(lp + 0.3 * torch.randn(lp.shape, generator=g), max=0.0) * m
     batch.ref_logprobs = torch.clamp(lp + 0.2 * torch.randn(lp.shape, generator=g), max=0.0) * m
-    cfg = dict(policy_loss="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    cfg = dict(
+        policy_loss="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01
+    )
     # gathered full logits of the current weights, aligned, on the last stage
     logits = last_stage_logits(ln, batch)
     ref_loss = 0.0
@@ -370,15 +463,33 @@ def case_objective(args, moe: bool, layout_name: str, num_micro: int = 2) -> dic
         lg = torch.zeros(*am.shape, full.shape[-1])
         lg[am] = full
         pt = padded.per_token
-        ref_loss = float(rl_loss(lg.double(), padded.tokens, padded.loss_mask.double(), pt["advantages"].double(),
-                                 pt["old_logprobs"].double(), ref_logp=pt["ref_logprobs"].double(),
-                                 clip_low=cfg["clip_low"], clip_high=cfg["clip_high"], kl_coef=cfg["kl_coef"],
-                                 kl_estimator="k3", entropy_coef=cfg["entropy_coef"]))
+        ref_loss = float(
+            rl_loss(
+                lg.double(),
+                padded.tokens,
+                padded.loss_mask.double(),
+                pt["advantages"].double(),
+                pt["old_logprobs"].double(),
+                ref_logp=pt["ref_logprobs"].double(),
+                clip_low=cfg["clip_low"],
+                clip_high=cfg["clip_high"],
+                kl_coef=cfg["kl_coef"],
+                kl_estimator="k3",
+                entropy_coef=cfg["entropy_coef"],
+            )
+        )
     ref_loss = float(ln._from_last_stage(torch.tensor([ref_loss], dtype=torch.float64)))
-    metrics = ln.train_step(dp_shard(batch, ln), RLObjective(ObjectiveConfig(**cfg)), num_micro_batches=num_micro)
+    metrics = ln.train_step(
+        dp_shard(batch, ln), RLObjective(ObjectiveConfig(**cfg)), num_micro_batches=num_micro
+    )
     diff = abs(metrics["loss"] - ref_loss)
-    return {"megatron_loss": metrics["loss"], "reference_loss": ref_loss, "diff": diff,
-            "metrics": sorted(metrics), "ok": diff <= 1e-5 and "clip_frac" in metrics and "kl" in metrics}
+    return {
+        "megatron_loss": metrics["loss"],
+        "reference_loss": ref_loss,
+        "diff": diff,
+        "metrics": sorted(metrics),
+        "ok": diff <= 1e-5 and "clip_frac" in metrics and "kl" in metrics,
+    }
 
 
 def case_replay(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
@@ -386,8 +497,15 @@ def case_replay(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
     replay on uses exactly the recorded experts (checked on the routers' own routing maps)."""
     _, d = make_hf_model(True, args.workdir)
     groups = initialize_parallel(LAYOUTS[layout_name])
-    ln = Learner(LearnerConfig(hf_config=d, optim=OptimConfig(lr=3e-2, clip_grad=0.0), moe_aux_loss_coeff=0.0,
-                               moe_routing_replay=True), groups)
+    ln = Learner(
+        LearnerConfig(
+            hf_config=d,
+            optim=OptimConfig(lr=3e-2, clip_grad=0.0),
+            moe_aux_loss_coeff=0.0,
+            moe_routing_replay=True,
+        ),
+        groups,
+    )
     ln.load_hf(d)
     batch = make_batch(41, lens=(7, 13, 5, 9, 6, 8, 10, 4))
     routes = ln.record_routes(batch, num_micro_batches=num_micro)
@@ -406,8 +524,11 @@ def case_replay(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
         if router is None:
             continue
         moe_idx = ln.spec.moe_layers.index(layer.layer_number - 1)
-        hooks.append(router.register_forward_hook(
-            lambda mod, inp, out, i=moe_idx: seen.setdefault(i, []).append(out[1].detach().clone())))
+        hooks.append(
+            router.register_forward_hook(
+                lambda mod, inp, out, i=moe_idx: seen.setdefault(i, []).append(out[1].detach().clone())
+            )
+        )
     shard = dp_shard(batch, ln)
     ln.train_step(shard, PolicyGradientObjective(), num_micro_batches=num_micro)
     for h in hooks:
@@ -425,14 +546,19 @@ def case_replay(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
             mismatches += int((got[real] != want[sl][real]).any(-1).sum())
     mismatches = int(max_over_world(mismatches))
     changed = int(max_over_world(changed))
-    return {"tokens_with_changed_fresh_routing": changed, "replay_mismatches": mismatches,
-            "layers_seen": sorted(seen), "ok": changed > 0 and mismatches == 0 and len(seen) > 0}
+    return {
+        "tokens_with_changed_fresh_routing": changed,
+        "replay_mismatches": mismatches,
+        "layers_seen": sorted(seen),
+        "ok": changed > 0 and mismatches == 0 and len(seen) > 0,
+    }
 
 
 def case_groups(args, moe: bool, layout_name: str) -> dict:
     """Switching layouts again and again, with a model built under each, must not pile up
     communicator threads: each layout's groups are made once per process and reused (megatron
     forgets its groups without freeing them, and models keep them alive)."""
+
     def threads() -> int:  # native threads too (gloo's are not Python threads)
         return len(os.listdir("/proc/self/task"))
 
@@ -448,8 +574,12 @@ def case_groups(args, moe: bool, layout_name: str) -> dict:
             ln.compute_logprobs(make_batch(3))  # the groups work
         counts.append(threads())
     grown = int(max_over_world(counts[-1] - counts[0]))
-    return {"threads_per_round": counts, "grown_after_first_round": grown, "groups_reused": same_groups,
-            "ok": grown <= 4 and same_groups}
+    return {
+        "threads_per_round": counts,
+        "grown_after_first_round": grown,
+        "groups_reused": same_groups,
+        "ok": grown <= 4 and same_groups,
+    }
 
 
 # ----------------------------------------------------------------------------- config variants
@@ -474,7 +604,7 @@ def make_variant_hf(variant: str, workdir: str):
     moe, overrides = VARIANTS[variant]
     cfg = dict(tiny_hf_config(moe), **overrides)
     torch.manual_seed(2)
-    model = (Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)) if moe else Qwen3ForCausalLM(Qwen3Config(**cfg)))
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)) if moe else Qwen3ForCausalLM(Qwen3Config(**cfg))
     model = model.float().eval()
     d = os.path.join(workdir, f"hf-{variant}")
     if dist.get_rank() == 0 and not os.path.exists(d):
@@ -488,8 +618,8 @@ def hf_ref_logprobs(hf, batch: PackedBatch) -> torch.Tensor:
     ref = torch.log_softmax(hf_logits_per_seq(hf, batch), -1)
     out = torch.zeros(batch.num_tokens)
     cu = batch.cu_seqlens.tolist()
-    for a, b in zip(cu[:-1], cu[1:]):
-        out[a + 1:b] = ref[a:b - 1].gather(-1, batch.tokens[a + 1:b, None])[:, 0]
+    for a, b in itertools.pairwise(cu):
+        out[a + 1 : b] = ref[a : b - 1].gather(-1, batch.tokens[a + 1 : b, None])[:, 0]
     return out
 
 
@@ -513,8 +643,12 @@ def case_variant_parity(args, variant: str, layout_name: str) -> dict:
     diff = max_over_world(float((lp - hf_ref_logprobs(hf, batch)).abs().max()))
     bad = _exported_mismatches(ln, d)
     nbad = max_over_world(len(bad))
-    return {"vs_hf": diff, "export_mismatched": bad[:5], "moe_layers": list(ln.spec.moe_layers),
-            "ok": diff <= PARITY_TOL and nbad == 0}
+    return {
+        "vs_hf": diff,
+        "export_mismatched": bad[:5],
+        "moe_layers": list(ln.spec.moe_layers),
+        "ok": diff <= PARITY_TOL and nbad == 0,
+    }
 
 
 def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -550,9 +684,13 @@ def case_checkpoint_exact(args, variant: str, layout_name: str, load_layout: str
         n_bad = int(max_over_world(len(after_load)))
         d_step = max_over_world(d_step)
         tol = 0.0 if target == layout_name else PARAM_TOL
-        res[target] = {"tensors": len(saved), "differ_after_load": n_bad,
-                       "max_diff_after_load": max(after_load.values(), default=0.0),
-                       "examples": sorted(after_load)[:3], "d_params_after_step": d_step}
+        res[target] = {
+            "tensors": len(saved),
+            "differ_after_load": n_bad,
+            "max_diff_after_load": max(after_load.values(), default=0.0),
+            "examples": sorted(after_load)[:3],
+            "d_params_after_step": d_step,
+        }
         ok &= n_bad == 0 and d_step <= tol
     res["ok"] = ok
     return res
@@ -562,10 +700,16 @@ VARIANT_CASES = {"vparity": case_variant_parity, "ckexact": case_checkpoint_exac
 
 
 CASES = {
-    "groups": case_groups, "frozen": case_frozen,
-    "parity": case_parity, "roundtrip": case_roundtrip, "corrupt": case_corrupt, "logprobs": case_logprobs,
-    "invariance": case_invariance, "checkpoint": case_checkpoint,
-    "export": case_export, "objective": case_objective,
+    "groups": case_groups,
+    "frozen": case_frozen,
+    "parity": case_parity,
+    "roundtrip": case_roundtrip,
+    "corrupt": case_corrupt,
+    "logprobs": case_logprobs,
+    "invariance": case_invariance,
+    "checkpoint": case_checkpoint,
+    "export": case_export,
+    "objective": case_objective,
     "replay": case_replay,
 }
 
@@ -596,7 +740,11 @@ def main() -> None:
         try:
             res = run_case(spec, args)
         except Exception as e:  # report and continue: one failing case must not hide the others
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            res = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
         res["seconds"] = round(time.time() - t0, 2)
         res["threads_after"] = len(os.listdir("/proc/self/task"))  # native threads of rank 0 (gloo's too)
         res["case"] = spec

@@ -26,7 +26,9 @@ def main(workdir: str, saves: int = 3) -> None:
 
     init_distributed()
     _, hf_dir = dc.make_hf_model(True, workdir)
-    ln = Learner(LearnerConfig(hf_config=hf_dir, optim=OptimConfig(lr=1e-3)), initialize_parallel(ParallelLayout()))
+    ln = Learner(
+        LearnerConfig(hf_config=hf_dir, optim=OptimConfig(lr=1e-3)), initialize_parallel(ParallelLayout())
+    )
     ln.load_hf(hf_dir)
     ln.train_step(dc.make_batch(1), dc.PolicyGradientObjective(), num_micro_batches=1)
     received: list[int] = []

@@ -9,10 +9,26 @@ from megarl.convert.hf_megatron import ConversionError, check_hf_keys, shard_hf,
 from megarl.convert.plan import build_plan, expected_hf_names
 from megarl.learner.model import HFConfigError, model_spec_from_hf
 
-DENSE = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
-MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-           decoder_sparse_step=1, mlp_only_layers=[1])
+DENSE = dict(
+    model_type="qwen3",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+)
+MOE = dict(
+    DENSE,
+    model_type="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+)
 
 
 def test_plan_covers_hf_names_once():
@@ -24,7 +40,11 @@ def test_plan_covers_hf_names_once():
     assert "model.layers.2.mlp.experts.3.down_proj.weight" in names
     # stage 1 holds layers 2, 3 under local names 0, 1; expert 3 on EP rank 1 as local expert 1
     e = next(x for x in plan if x.hf_names == ("model.layers.2.mlp.experts.3.down_proj.weight",))
-    assert (e.stage, e.ep_owner, e.mcore_name) == (1, 1, "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight")
+    assert (e.stage, e.ep_owner, e.mcore_name) == (
+        1,
+        1,
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight",
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -52,14 +72,14 @@ def test_shard_unshard_inverse(tp):
 def test_qkv_layout_is_megatron_interleaved():
     spec = model_spec_from_hf(DENSE)  # 4 heads, 2 KV groups, head_dim 8
     e = next(x for x in build_plan(spec) if x.kind == "qkv")
-    q = torch.arange(32.).repeat_interleave(1).view(32, 1).expand(32, 32)
-    k = 100 + torch.arange(16.).view(16, 1).expand(16, 32)
-    v = 200 + torch.arange(16.).view(16, 1).expand(16, 32)
+    q = torch.arange(32.0).repeat_interleave(1).view(32, 1).expand(32, 32)
+    k = 100 + torch.arange(16.0).view(16, 1).expand(16, 32)
+    v = 200 + torch.arange(16.0).view(16, 1).expand(16, 32)
     full = shard_hf(e, [q, k, v], spec, 1, 0)[:, 0]
     # group 0: q heads 0,1 (rows 0..15), k head 0, v head 0; then group 1
     assert full[:16].tolist() == list(range(16))
-    assert full[16:24].tolist() == [100. + i for i in range(8)]
-    assert full[24:32].tolist() == [200. + i for i in range(8)]
+    assert full[16:24].tolist() == [100.0 + i for i in range(8)]
+    assert full[24:32].tolist() == [200.0 + i for i in range(8)]
     assert full[32:48].tolist() == list(range(16, 32))
 
 

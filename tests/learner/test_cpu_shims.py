@@ -17,13 +17,20 @@ torch.cuda.is_available = lambda: True
 import megarl.learner, megarl.learner.parallel, megarl.learner.model, megarl.learner.forward
 import megarl.learner.learner, megarl.learner.checkpoint, megarl.convert.hf_megatron, megarl.convert.plan
 from megarl.learner.parallel import use_cuda
-print(json.dumps({"use_cuda": use_cuda(), "modules": sorted(m for m in sys.modules if m.startswith("megarl.learner"))}))
+print(json.dumps({"use_cuda": use_cuda(),
+                  "modules": sorted(m for m in sys.modules if m.startswith("megarl.learner"))}))
 """
 
 
 def test_gpu_path_never_imports_cpu_shims():
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["use_cuda"] is True
@@ -44,17 +51,31 @@ s = torch.cuda.current_stream(); s.wait_stream(s)  # P5
 print(json.dumps({"x": str(x.device), "y": str(y.device), "same_rng": bool(a == b),
                   "dev": str(torch.cuda.current_device()), "type": torch.zeros(1).type(),
                   "te_gemm": moe_utils.te_general_gemm is None,
-                  "numpy": type(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)).__name__}))
+                  "numpy": type(moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]),
+                                                                  as_numpy=True)).__name__}))
 """
 
 
 def test_shims_on_cpu():
-    out = subprocess.run([sys.executable, "-c", _APPLY], capture_output=True, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _APPLY],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res == {"x": "cpu", "y": "cpu", "same_rng": True, "dev": "cpu", "type": "torch.cuda.FloatTensor",
-                   "te_gemm": True, "numpy": "ndarray"}
+    assert res == {
+        "x": "cpu",
+        "y": "cpu",
+        "same_rng": True,
+        "dev": "cpu",
+        "type": "torch.cuda.FloatTensor",
+        "te_gemm": True,
+        "numpy": "ndarray",
+    }
 
 
 _REFUSE = r"""
@@ -69,6 +90,12 @@ except RuntimeError as e:
 
 
 def test_shims_refuse_when_cuda_present():
-    out = subprocess.run([sys.executable, "-c", _REFUSE], capture_output=True, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _REFUSE],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300,
+    )
     assert "refused:" in out.stdout, out.stdout + out.stderr[-2000:]
