@@ -68,8 +68,14 @@ def checkpoint_params_dtype(ckpt_dir: str) -> torch.dtype:
     )
 
 
-def _te_named(keys) -> bool:
-    return any(k.endswith("linear_qkv.layer_norm_weight") for k in keys)
+def _reason(e: BaseException) -> str:
+    """The message of a loading error; torch.distributed.checkpoint wraps each rank's error (with
+    its traceback) in one exception: take the first rank's message."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        return _reason(inner[0] if isinstance(inner, tuple) else inner)
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
 
 
 def load_model_weights(model: torch.nn.Module, ckpt_dir: str) -> None:
@@ -78,20 +84,15 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str) -> None:
     and RNG state in the checkpoint are ignored."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
     template = {"model": model.sharded_state_dict()}
     try:
         loaded = dist_checkpointing.load(template, ckpt_dir)
-    except CheckpointingException as e:
-        keys = dist_checkpointing.load_tensors_metadata(ckpt_dir).keys()
-        hint = ""
-        if _te_named(keys) != _te_named(n for n, _ in model.named_parameters()):
-            hint = (
-                " (the checkpoint was saved with the other layer spec: Transformer Engine names vs the "
-                "local spec's; convert it on the kind of machine it was trained on)"
-            )
+    except (CheckpointingException, KeyError, DCPException) as e:
         raise MegatronCheckpointError(
-            f"{ckpt_dir}: the model weights do not fit this model{hint}: {str(e)[:2000]}"
+            f"{ckpt_dir}: the model weights do not fit this model (another architecture or HF config?): "
+            f"{_reason(e)[:2000]}"
         ) from None
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]

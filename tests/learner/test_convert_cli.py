@@ -87,7 +87,8 @@ def _no_temp_left(parent: Path) -> None:
 
 # ----------------------------------------------------------------------------- round trips
 def test_roundtrip_one_process_dense(tiny):
-    """HF -> Megatron -> HF in one process each, bit-exact; config kept; metadata says model-only."""
+    """HF -> Megatron -> HF in one process each, bit-exact; config kept; metadata says model-only;
+    a wrong --hf-config for the checkpoint exits 2."""
     root = tiny["root"]
     ckpt, back = root / "mg_dense", root / "back_dense"
     p = _cli("hf-to-megatron", "--hf", tiny["dense"], "--out", ckpt)
@@ -101,6 +102,12 @@ def test_roundtrip_one_process_dense(tiny):
     assert _assert_bit_exact(tiny["dense"], back) == 25
     cfg_in, cfg_out = (json.loads((d / "config.json").read_text()) for d in (tiny["dense"], back))
     assert cfg_out == cfg_in
+    # the same checkpoint read with another architecture's config: exit 2, the key named
+    (root / "wider.json").write_text(json.dumps(dict(cfg_in, intermediate_size=96)))
+    p = _cli("megatron-to-hf", "--ckpt", ckpt, "--out", root / "bad", "--hf-config", root / "wider.json")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert f"{ckpt}: the model weights do not fit this model" in p.stderr
+    assert "decoder.layers.mlp.linear_fc1.weight" in p.stderr
     _no_temp_left(root)
 
 
