@@ -112,6 +112,130 @@ def _load_optimizer(learner: Learner, state: dict) -> None:
             opt.optimizer.state[p]["step"] = step.detach().clone()
 
 
+# megatron-core versions whose ``get_parameter_state_dp_zero`` was read and found to concatenate the
+# buckets of a grad buffer *without* the padding between them, while
+# ``sharded_param_state_fully_reshardable`` slices that tensor with the *padded* offsets of
+# ``buffer.param_index_map``. Every parameter after a padded bucket then gets its neighbour's values
+# (megatron logs "param range exceeds unpadded buffer ... data corruption"). Padding between buckets
+# happens when a buffer has several buckets: with PP > 1 a tied embedding gets a bucket of its own.
+_DP_ZERO_UNPADDED_VERSIONS = ("0.16",)
+
+
+def _megatron_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        import megatron.core
+
+        return str(getattr(megatron.core, "__version__", "unknown"))
+
+
+def _has_padding_between_buckets(buffer) -> bool:
+    """Whether a megatron grad buffer has padding after a bucket that is not its last."""
+    return any(end - start != bucket.numel_unpadded
+               for (start, end), bucket in zip(buffer.bucket_indices[:-1], buffer.buckets[:-1]))
+
+
+def _repad_world_tensors(opt, state: dict | None) -> dict | None:
+    """Put the padding between buckets back into ``get_parameter_state_dp_zero``'s world tensors, so
+    that the buffer offsets of ``param_index_map`` address them (in place; returns ``state``)."""
+    if state is None:
+        return None
+    for gbuf_idx, buffer in enumerate(opt.buffers):
+        if not _has_padding_between_buckets(buffer):
+            continue
+        for world in state[gbuf_idx].values():
+            for key, t in list(world.items()):
+                if not isinstance(t, torch.Tensor) or t.numel() != buffer.numel_unpadded:
+                    continue
+                padded = t.new_zeros(buffer.numel)
+                offset = 0
+                for (start, _), bucket in zip(buffer.bucket_indices, buffer.buckets):
+                    n = bucket.numel_unpadded
+                    padded[start:start + n] = t[offset:offset + n]
+                    offset += n
+                world[key] = padded
+    return state
+
+
+@contextmanager
+def _bucket_padding_fixed(learner: Learner) -> Iterator[None]:
+    """Around ``optimizer.sharded_state_dict`` in the ``fully_reshardable`` format: make the
+    DistributedOptimizers' gathered state use padded bucket offsets (see
+    ``_DP_ZERO_UNPADDED_VERSIONS``). A no-op when no buffer has padding between buckets.
+    An unverified megatron-core version with such a buffer is refused rather than risked."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = [o for o in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+            if isinstance(o, DistributedOptimizer) and any(map(_has_padding_between_buckets, o.buffers))]
+    if opts and not _megatron_version().startswith(_DP_ZERO_UNPADDED_VERSIONS):
+        raise CheckpointError(
+            f"megatron-core {_megatron_version()}: the distributed optimizer's buffers have padding "
+            "between buckets (tied embeddings with PP > 1), and its 'fully_reshardable' state layout "
+            f"is verified only for megatron-core {_DP_ZERO_UNPADDED_VERSIONS} (it corrupts such "
+            "buffers there unless megarl re-pads them); refusing to save or load. Run with "
+            "use_distributed_optimizer=False or check this version and add it to "
+            "_DP_ZERO_UNPADDED_VERSIONS")
+    originals = {}
+    for opt in opts:
+        original = opt.get_parameter_state_dp_zero
+        originals[id(opt)] = original
+
+        def repadded(*args, _opt=opt, _original=original, **kwargs):
+            return _repad_world_tensors(_opt, _original(*args, **kwargs))
+
+        opt.get_parameter_state_dp_zero = repadded
+    try:
+        yield
+    finally:
+        for opt in opts:
+            del opt.get_parameter_state_dp_zero  # the instance attribute; the method shows again
+
+
+def _check_main_params_match_model(model_sd: dict, opt_sd: dict, device: torch.device) -> None:
+    """Refuse to save an optimizer state whose parameter copies disagree with the model weights.
+
+    In the ``fully_reshardable`` format every parameter's optimizer entry holds its main (fp32)
+    copy under ``optimizer.state.param.<model key>``; cast to the model's dtype it must equal the
+    model's tensor bit for bit. Collective; raises ``CheckpointError`` on every rank, naming this
+    rank's first parameters that do not match.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    def where(sh) -> tuple:
+        # One key holds many tensors (each layer's slice of the stacked layers): tell them apart by
+        # their offset, or for a ShardedTensorFactory by its per-layer build function (which the
+        # optimizer's entry shares).
+        build_fn = getattr(sh, "build_fn", None)
+        return (getattr(sh, "global_offset", None), getattr(sh, "axis_fragmentations", None),
+                None if build_fn is None else id(build_fn))
+
+    model_data = {}
+    for sh in nested_values(model_sd):
+        if getattr(sh, "key", None) is not None and isinstance(getattr(sh, "data", None), torch.Tensor):
+            model_data[(sh.key, *where(sh))] = sh.data
+    prefix = "optimizer.state.param."
+    bad = []
+    for sh in nested_values(opt_sd):
+        key = getattr(sh, "key", None)
+        if not isinstance(key, str) or not key.startswith(prefix):
+            continue
+        ref = model_data.get((key[len(prefix):], *where(sh)))
+        if ref is None:
+            continue
+        if sh.data.shape != ref.shape or not torch.equal(sh.data.to(ref.dtype), ref):
+            bad.append(key[len(prefix):])
+    total = torch.tensor([len(bad)], dtype=torch.int64, device=device)
+    dist.all_reduce(total)  # every rank refuses together (a lone raise would hang its peers)
+    if int(total):
+        raise CheckpointError(
+            f"the optimizer state to be saved holds parameter copies that differ from the model weights "
+            f"for {int(total)} parameter(s) over all ranks (on this rank: {bad[:3]}); refusing to save "
+            "a corrupt checkpoint")
+
+
 def _sharded_state(learner: Learner, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -120,9 +244,13 @@ def _sharded_state(learner: Learner, is_loading: bool) -> dict:
 
     model_sd = learner.model.sharded_state_dict()
     world, rank = dist.get_world_size(), dist.get_rank()
+    with _bucket_padding_fixed(learner):
+        opt_sd = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_META)
+    if not is_loading:
+        _check_main_params_match_model(model_sd, opt_sd, learner.groups.device)
     return {
         "model": model_sd,
-        "optimizer": learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_META),
+        "optimizer": opt_sd,
         "rng": ShardedObject("megarl_rng_state", None if is_loading else _rng_state(), (world,), (rank,),
                              replica_id=0),
     }
