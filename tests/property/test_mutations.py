@@ -3,7 +3,23 @@
 Each mutation patches one piece of megarl (a dropped TP all-reduce, a wrong gradient on one rank,
 a local instead of global normaliser) and asks hypothesis to *find* a case where megarl and the
 reference disagree. If no such case is found the harness is blind to that bug and the test fails.
+
+The method mutants (``METHOD_MUTANTS``, one-line mistakes in the trust-region, credit-assignment
+and reward-shaping methods and in PPO's dual clip) are applied to the source of one function at
+test time: its code object is swapped for one compiled from the source with ``old`` replaced by
+``new``, so every reference to it (registries included) runs the mutant, and nothing on disk
+changes. The function is looked up by module path when the test runs; a method may live in one of
+several modules (methods move between packages). Each mutant names its killers, tests of the
+suite that pass on the real code and must fail on the mutant: a mutant that survives is a
+missing test.
 """
+
+import ast
+import importlib
+import inspect
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -86,4 +102,204 @@ def test_local_instead_of_global_normaliser_is_caught(monkeypatch):
         rl_cases(torch.float64, min_groups=2, min_group_size=2),
         _disagrees(tp=1, dp=2),
         settings=settings(max_examples=200, database=None, phases=[Phase.generate]),
+    )
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One-line mistake ``old`` -> ``new`` in ``function`` (qualname) of the first module of
+    ``modules`` that has it; ``killers``: ``"tests.module:test_name"`` that must catch it."""
+
+    name: str
+    modules: tuple[str, ...]
+    function: str
+    old: str
+    new: str
+    killers: tuple[str, ...]
+
+
+METHOD_MUTANTS = [
+    # family 1, trust regions
+    Mutant(
+        "eppo_ema_momentum_swapped",
+        ("megarl.methods.trust_regions.eppo",),
+        "EppoState.update",
+        "momentum * self.ema + (1 - momentum) * mu",
+        "(1 - momentum) * self.ema + momentum * mu",
+        ("tests.methods.test_eppo:test_ema_keeps_the_momentum_share_on_the_past",),
+    ),
+    Mutant(
+        "cokl_active_groups_counted_per_rank",
+        ("megarl.methods.trust_regions.cokl",),
+        "prepare",
+        'comm.all_reduce(active, "sum", dp_group)',
+        "pass",
+        ("tests.methods.test_cokl:test_data_parallel_shares_prepare_the_whole_batch_weights",),
+    ),
+    # PPO's dual clip (the policy loss under every family)
+    Mutant(
+        "ppo_dual_clip_bound_sign",
+        ("megarl.objectives.policy_losses",),
+        "ppo",
+        "-dual_clip * adv",
+        "dual_clip * adv",
+        ("tests.unit.test_dual_clip:test_ppo_dual_clip_values_and_gradients",),
+    ),
+    Mutant(
+        "ppo_dual_clip_max_instead_of_min",
+        ("megarl.objectives.policy_losses",),
+        "ppo",
+        "torch.minimum(loss, -dual_clip * adv)",
+        "torch.maximum(loss, -dual_clip * adv)",
+        ("tests.unit.test_dual_clip:test_ppo_dual_clip_values_and_gradients",),
+    ),
+    Mutant(
+        "ppo_dual_clip_on_positive_advantages",
+        ("megarl.objectives.policy_losses",),
+        "ppo",
+        "torch.where(adv < 0,",
+        "torch.where(adv > 0,",
+        ("tests.unit.test_dual_clip:test_ppo_dual_clip_values_and_gradients",),
+    ),
+    # family 2, credit assignment
+    Mutant(
+        "gigpo_step_weight_omega_dropped",
+        ("megarl.methods.credit.gigpo",),
+        "gigpo_step_advantages",
+        "episode[steps.seq] + omega * step_rel",
+        "episode[steps.seq] + step_rel",
+        ("tests.methods.test_gigpo:test_matches_reference",),
+    ),
+    Mutant(
+        "steps_returns_undiscounted",
+        ("megarl.methods.credit.steps",),
+        "discounted_returns",
+        "r[:, t] + gamma * g[:, t + 1]",
+        "r[:, t] + g[:, t + 1]",
+        ("tests.methods.test_gigpo:test_matches_reference",),
+    ),
+    Mutant(
+        "rspo_outcome_and_process_branches_swapped",
+        ("megarl.methods.credit.rspo", "megarl.rewards.shaping.rspo"),
+        "rspo",
+        "BASES[base](process, group_ids), a_out)",
+        "a_out, BASES[base](process, group_ids))",
+        ("tests.methods.test_rspo:test_matches_reference",),
+    ),
+    # reward shaping
+    Mutant(
+        "reward_floor_precision_denominator",
+        ("megarl.rewards.shaping.reward_floor",),
+        "ngram_precision",
+        "/ (len(response) - n + 1)",
+        "/ len(response)",
+        (
+            "tests.unit.test_ngram_precision:test_ngram_precision_by_hand",
+            "tests.methods.test_reward_floor:test_matches_reference",
+        ),
+    ),
+    Mutant(
+        "reward_floor_copies_keep_their_reward",
+        ("megarl.rewards.shaping.reward_floor",),
+        "RewardFloor.__call__",
+        "torch.where(copied, torch.full_like(rewards, self.floor), rewards)",
+        "torch.where(copied, rewards, torch.full_like(rewards, self.floor))",
+        ("tests.methods.test_reward_floor:test_verbatim_copy_is_floored_and_a_rewrite_is_not",),
+    ),
+]
+
+
+def _resolve(m: Mutant) -> Callable:
+    """The plain function ``m.function`` of the first module of ``m.modules`` that defines it."""
+    for path in m.modules:
+        try:
+            obj = importlib.import_module(path)
+        except ModuleNotFoundError as e:
+            if e.name != path:  # the module exists but fails to import: a real error
+                raise
+            continue
+        for part in m.function.split("."):
+            obj = getattr(obj, part, None)
+        if inspect.isfunction(obj):
+            return obj
+    where = ", ".join(m.modules)
+    pytest.fail(f"mutant {m.name}: no function {m.function!r} in {where} (moved? update METHOD_MUTANTS)")
+
+
+def _apply(monkeypatch, fn: Callable, m: Mutant) -> None:
+    """Swap ``fn``'s code for its source with ``m.old`` replaced by ``m.new`` (decorators dropped:
+    the object they registered is ``fn`` itself, whose code changes)."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    assert src.count(m.old) == 1, (
+        f"mutant {m.name}: {m.old!r} occurs {src.count(m.old)} times in "
+        f"{fn.__module__}.{m.function} (changed? update METHOD_MUTANTS)"
+    )
+    tree = ast.parse(src.replace(m.old, m.new))
+    node = tree.body[0]
+    assert isinstance(node, ast.FunctionDef) and node.name == fn.__name__, node
+    node.decorator_list = []
+    ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
+    scope = dict(vars(inspect.getmodule(fn)))
+    exec(compile(tree, inspect.getsourcefile(fn) or "<mutant>", "exec"), scope)
+    code = scope[node.name].__code__
+    assert code.co_freevars == fn.__code__.co_freevars, f"mutant {m.name}: closures differ"
+    monkeypatch.setattr(fn, "__code__", code)
+
+
+def _param_sets(test: Callable) -> list[dict]:
+    """Keyword sets of a test's ``pytest.mark.parametrize`` marks ([{}] when it has none)."""
+    sets: list[dict] = [{}]
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        names = (
+            [n.strip() for n in mark.args[0].split(",")]
+            if isinstance(mark.args[0], str)
+            else list(mark.args[0])
+        )
+        values = [v.values if hasattr(v, "values") else v for v in mark.args[1]]
+        values = [v if len(names) > 1 else (v,) for v in values]
+        sets = [{**s, **dict(zip(names, v))} for s in sets for v in values]
+    return sets
+
+
+def _failure(killer: str, monkeypatch, min_examples: int = 0) -> BaseException | None:
+    """Run the test ``killer`` (every parameter set; hypothesis without shrinking, at least
+    ``min_examples`` examples); its first failure, or None."""
+    mod, _, name = killer.partition(":")
+    test = getattr(importlib.import_module(mod), name)
+    inner = getattr(test, "_hypothesis_internal_use_settings", None)
+    if inner is not None:
+        monkeypatch.setattr(
+            test,
+            "_hypothesis_internal_use_settings",
+            settings(
+                inner,
+                phases=[Phase.explicit, Phase.generate],
+                database=None,
+                deadline=None,
+                max_examples=max(inner.max_examples, min_examples),
+            ),
+        )
+    for kw in _param_sets(test):
+        try:
+            test(**kw)
+        except Exception as e:  # a failing test is the point here
+            return e
+    return None
+
+
+@pytest.mark.parametrize("m", METHOD_MUTANTS, ids=lambda m: m.name)
+def test_method_mutant_is_caught(monkeypatch, m):
+    fn = _resolve(m)
+    for k in m.killers:
+        err = _failure(k, monkeypatch)
+        assert err is None, f"killer {k} fails on the real code, so it proves nothing about {m.name}: {err!r}"
+    _apply(monkeypatch, fn, m)
+    # more examples than the suite's own run: a search stops at the first failure, so this costs
+    # time only when the mutant survives
+    caught = {k: _failure(k, monkeypatch, min_examples=100) for k in m.killers}
+    assert any(e is not None for e in caught.values()), (
+        f"mutant {m.name} ({m.old!r} -> {m.new!r} in {fn.__module__}.{m.function}) survived "
+        f"{', '.join(m.killers)}: a missing test"
     )
