@@ -18,9 +18,9 @@ import json
 import os
 import shutil
 import signal
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,14 @@ def _rng_state() -> dict:
     import random
 
     import numpy as np
-
     from megatron.core import tensor_parallel
 
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-          "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    st = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state()
     return st
@@ -53,7 +56,6 @@ def _set_rng_state(st: dict) -> None:
     import random
 
     import numpy as np
-
     from megatron.core import tensor_parallel
 
     random.setstate(st["python"])
@@ -95,10 +97,15 @@ def _load_optimizer(learner: Learner, state: dict) -> None:
     opts = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
     parts = [state] if len(opts) == 1 else [v for _, v in sorted(state.items())]
     if len(parts) != len(opts):
-        raise CheckpointError(f"checkpoint has {len(parts)} optimizer(s), the learner {len(opts)} "
-                              "(dense/expert split differs: EP changed between save and load?)")
+        raise CheckpointError(
+            f"checkpoint has {len(parts)} optimizer(s), the learner {len(opts)} "
+            "(dense/expert split differs: EP changed between save and load?)"
+        )
     for opt, part in zip(opts, parts):
-        if not (isinstance(opt, DistributedOptimizer) and part.get("param_state_sharding_type") == "fully_reshardable"):
+        if not (
+            isinstance(opt, DistributedOptimizer)
+            and part.get("param_state_sharding_type") == "fully_reshardable"
+        ):
             opt.load_state_dict(part)
             continue
         param_state = part.pop("param_state")
@@ -134,8 +141,10 @@ def _megatron_version() -> str:
 
 def _has_padding_between_buckets(buffer) -> bool:
     """Whether a megatron grad buffer has padding after a bucket that is not its last."""
-    return any(end - start != bucket.numel_unpadded
-               for (start, end), bucket in zip(buffer.bucket_indices[:-1], buffer.buckets[:-1]))
+    return any(
+        end - start != bucket.numel_unpadded
+        for (start, end), bucket in zip(buffer.bucket_indices[:-1], buffer.buckets[:-1])
+    )
 
 
 def _repad_world_tensors(opt, state: dict | None) -> dict | None:
@@ -154,7 +163,7 @@ def _repad_world_tensors(opt, state: dict | None) -> dict | None:
                 offset = 0
                 for (start, _), bucket in zip(buffer.bucket_indices, buffer.buckets):
                     n = bucket.numel_unpadded
-                    padded[start:start + n] = t[offset:offset + n]
+                    padded[start : start + n] = t[offset : offset + n]
                     offset += n
                 world[key] = padded
     return state
@@ -168,8 +177,11 @@ def _bucket_padding_fixed(learner: Learner) -> Iterator[None]:
     An unverified megatron-core version with such a buffer is refused rather than risked."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    opts = [o for o in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
-            if isinstance(o, DistributedOptimizer) and any(map(_has_padding_between_buckets, o.buffers))]
+    opts = [
+        o
+        for o in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+        if isinstance(o, DistributedOptimizer) and any(map(_has_padding_between_buckets, o.buffers))
+    ]
     if opts and not _megatron_version().startswith(_DP_ZERO_UNPADDED_VERSIONS):
         raise CheckpointError(
             f"megatron-core {_megatron_version()}: the distributed optimizer's buffers have padding "
@@ -177,7 +189,8 @@ def _bucket_padding_fixed(learner: Learner) -> Iterator[None]:
             f"is verified only for megatron-core {_DP_ZERO_UNPADDED_VERSIONS} (it corrupts such "
             "buffers there unless megarl re-pads them); refusing to save or load. Run with "
             "use_distributed_optimizer=False or check this version and add it to "
-            "_DP_ZERO_UNPADDED_VERSIONS")
+            "_DP_ZERO_UNPADDED_VERSIONS"
+        )
     originals = {}
     for opt in opts:
         original = opt.get_parameter_state_dp_zero
@@ -209,8 +222,11 @@ def _check_main_params_match_model(model_sd: dict, opt_sd: dict, device: torch.d
         # their offset, or for a ShardedTensorFactory by its per-layer build function (which the
         # optimizer's entry shares).
         build_fn = getattr(sh, "build_fn", None)
-        return (getattr(sh, "global_offset", None), getattr(sh, "axis_fragmentations", None),
-                None if build_fn is None else id(build_fn))
+        return (
+            getattr(sh, "global_offset", None),
+            getattr(sh, "axis_fragmentations", None),
+            None if build_fn is None else id(build_fn),
+        )
 
     model_data = {}
     for sh in nested_values(model_sd):
@@ -222,18 +238,19 @@ def _check_main_params_match_model(model_sd: dict, opt_sd: dict, device: torch.d
         key = getattr(sh, "key", None)
         if not isinstance(key, str) or not key.startswith(prefix):
             continue
-        ref = model_data.get((key[len(prefix):], *where(sh)))
+        ref = model_data.get((key[len(prefix) :], *where(sh)))
         if ref is None:
             continue
         if sh.data.shape != ref.shape or not torch.equal(sh.data.to(ref.dtype), ref):
-            bad.append(key[len(prefix):])
+            bad.append(key[len(prefix) :])
     total = torch.tensor([len(bad)], dtype=torch.int64, device=device)
     dist.all_reduce(total)  # every rank refuses together (a lone raise would hang its peers)
     if int(total):
         raise CheckpointError(
             f"the optimizer state to be saved holds parameter copies that differ from the model weights "
             f"for {int(total)} parameter(s) over all ranks (on this rank: {bad[:3]}); refusing to save "
-            "a corrupt checkpoint")
+            "a corrupt checkpoint"
+        )
 
 
 def _sharded_state(learner: Learner, is_loading: bool) -> dict:
@@ -251,8 +268,9 @@ def _sharded_state(learner: Learner, is_loading: bool) -> dict:
     return {
         "model": model_sd,
         "optimizer": opt_sd,
-        "rng": ShardedObject("megarl_rng_state", None if is_loading else _rng_state(), (world,), (rank,),
-                             replica_id=0),
+        "rng": ShardedObject(
+            "megarl_rng_state", None if is_loading else _rng_state(), (world,), (rank,), replica_id=0
+        ),
     }
 
 
@@ -297,8 +315,12 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
     with stop_signals_blocked_in_helpers():
         dist_checkpointing.save(state, tmp)
     if dist.get_rank() == 0:
-        meta = {"step": learner.step, "layout": asdict(learner.groups.layout),
-                "world_size": dist.get_world_size(), "hf_config": learner.hf_config}
+        meta = {
+            "step": learner.step,
+            "layout": asdict(learner.groups.layout),
+            "world_size": dist.get_world_size(),
+            "hf_config": learner.hf_config,
+        }
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
         os.rename(tmp, ckpt_dir)

@@ -6,9 +6,12 @@ fp32, every fusion off. With Transformer Engine and CUDA: the TE layer spec and 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,10 +50,52 @@ class ModelSpec:
     moe_norm_topk_prob: bool = True
     moe_aux_loss_coeff: float = 0.0
     moe_layers: tuple[int, ...] = ()  # global indices of MoE layers
+    hidden_act: str = "silu"  # HF name of the activation on the gate of the gated MLP
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+
+# HF ``hidden_act`` -> the function megatron applies to the gate half of its gated MLP (fc1 = [gate; up],
+# out = act(gate) * up, as HF's ``act_fn(gate_proj(x)) * up_proj(x)``). gelu_new is the tanh
+# approximation written out (equal up to float rounding).
+_GELU_TANH = partial(F.gelu, approximate="tanh")
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": _GELU_TANH,
+    "gelu_new": _GELU_TANH,
+    "relu": F.relu,
+}
+
+
+def _activation_name(hf: dict, where: str) -> str:
+    """The config's ``hidden_act`` (default silu); refuses an activation not in ``ACTIVATIONS``."""
+    act = hf.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise HFConfigError(
+            f"{where}: hidden_act '{act}' is not supported (supported: {sorted(ACTIVATIONS)})"
+        )
+    return act
+
+
+def _check_biases(hf: dict, mt: str, where: str) -> None:
+    """Refuse the bias options megatron-core cannot express per layer.
+
+    Qwen3 / Llama ``attention_bias`` puts a bias on q, k, v *and* o_proj; megatron-core gives the
+    attention output projection a bias only through ``add_bias_linear``, which also adds biases to
+    every MLP and expert linear layer. (Qwen2's fixed q/k/v bias, without o_proj, is supported.)
+    """
+    if mt != "qwen2" and hf.get("attention_bias"):
+        raise HFConfigError(
+            f"{where}: attention_bias=true is not supported: it adds a bias to o_proj "
+            "(model.layers.N.self_attn.o_proj.bias) as well as to q/k/v, and megatron-core has an attention "
+            "output bias only together with biases on every MLP linear layer (add_bias_linear)"
+        )
+    if hf.get("mlp_bias"):
+        raise HFConfigError(f"{where}: mlp_bias=true is not supported (MLP biases)")
 
 
 def load_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
@@ -87,6 +132,8 @@ def model_spec_from_hf(hf: dict) -> ModelSpec:
         raise HFConfigError(f"{where}: 'rope_scaling' is not supported")
     if hf.get("use_sliding_window"):
         raise HFConfigError(f"{where}: 'use_sliding_window' is not supported")
+    hidden_act = _activation_name(hf, where)
+    _check_biases(hf, mt, where)
     rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0) if mt == "qwen3_moe" else 0
     L = int(_need(hf, "num_hidden_layers", where))
@@ -107,7 +154,7 @@ def model_spec_from_hf(hf: dict) -> ModelSpec:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
         qk_layernorm=mt.startswith("qwen3"),
-        qkv_bias=bool(hf.get("attention_bias", mt == "qwen2")),
+        qkv_bias=mt == "qwen2",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         num_experts=num_experts,
@@ -116,7 +163,46 @@ def model_spec_from_hf(hf: dict) -> ModelSpec:
         moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)) if num_experts else 0.0,
         moe_layers=moe_layers,
+        hidden_act=hidden_act,
     )
+
+
+def check_spec_layout(
+    spec: ModelSpec, tp: int = 1, pp: int = 1, ep: int = 1, expert_tp: int | None = None
+) -> None:
+    """Raise ``HFConfigError`` (a ``ValueError``) naming the HF config key that a parallel layout
+    does not divide: vocabulary, heads and dense FFN by ``tp``, layers by ``pp``, experts by ``ep``,
+    the expert FFN by the expert tensor-parallel size (``expert_tp``, default ``tp``)."""
+    etp = tp if expert_tp is None else expert_tp
+    if spec.vocab_size % tp:
+        raise HFConfigError(f"vocab_size {spec.vocab_size} is not divisible by tp={tp}")
+    if spec.num_heads % tp:
+        raise HFConfigError(f"num_attention_heads {spec.num_heads} is not divisible by tp={tp}")
+    if spec.num_kv_heads % tp:
+        raise HFConfigError(f"num_key_value_heads {spec.num_kv_heads} is not divisible by tp={tp}")
+    if spec.num_layers % pp:
+        raise HFConfigError(f"num_hidden_layers {spec.num_layers} is not divisible by pp={pp}")
+    has_dense = len(spec.moe_layers) < spec.num_layers  # a dense MLP is built for some layer
+    if has_dense and spec.ffn_hidden_size % tp:
+        raise HFConfigError(f"intermediate_size {spec.ffn_hidden_size} is not divisible by tp={tp}")
+    if spec.is_moe and spec.num_experts % ep:
+        raise HFConfigError(f"num_experts {spec.num_experts} is not divisible by ep={ep}")
+    if spec.is_moe and spec.moe_ffn_hidden_size % etp:
+        raise HFConfigError(
+            f"moe_intermediate_size {spec.moe_ffn_hidden_size} is not divisible by the expert "
+            f"tensor-parallel size {etp}"
+        )
+
+
+def check_model_layout(
+    hf_config: dict | str | os.PathLike, tp: int = 1, pp: int = 1, ep: int = 1, expert_tp: int | None = None
+) -> ModelSpec:
+    """Up-front check of a HF config (dict, config.json or model directory) against a parallel
+    layout, before anything is built: raises ``HFConfigError`` (a ``ValueError``) naming the
+    unsupported or non-divisible config key; returns the ``ModelSpec``."""
+    spec = model_spec_from_hf(load_hf_config(hf_config))
+    check_spec_layout(spec, tp, pp, ep, expert_tp)
+    return spec
 
 
 def transformer_config_from_spec(
@@ -136,17 +222,7 @@ def transformer_config_from_spec(
     from megatron.core.transformer import TransformerConfig
 
     lay = groups.layout
-    if spec.vocab_size % lay.tp:
-        raise HFConfigError(f"vocab_size {spec.vocab_size} is not divisible by tp={lay.tp}")
-    if spec.num_kv_heads % lay.tp or spec.num_heads % lay.tp:
-        raise HFConfigError(
-            f"num_attention_heads {spec.num_heads} and num_key_value_heads "
-            f"{spec.num_kv_heads} must be divisible by tp={lay.tp}"
-        )
-    if spec.num_layers % lay.pp:
-        raise HFConfigError(f"num_hidden_layers {spec.num_layers} is not divisible by pp={lay.pp}")
-    if spec.is_moe and spec.num_experts % lay.ep:
-        raise HFConfigError(f"num_experts {spec.num_experts} is not divisible by ep={lay.ep}")
+    check_spec_layout(spec, lay.tp, lay.pp, lay.ep, lay.etp)
     if spec.is_moe and lay.tp > 1 and not lay.sequence_parallel:
         raise HFConfigError(
             f"MoE with tp={lay.tp} needs sequence_parallel=True (megatron-core refuses "
@@ -163,7 +239,7 @@ def transformer_config_from_spec(
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=ACTIVATIONS[spec.hidden_act],
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_layernorm,
@@ -192,8 +268,7 @@ def transformer_config_from_spec(
         moe_token_dispatcher_type="alltoall",
     )
     if spec.is_moe:
-        if len(spec.moe_layers) != spec.num_layers:
-            kw["moe_layer_freq"] = [1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)]
+        kw["moe_layer_freq"] = [1 if i in spec.moe_layers else 0 for i in range(spec.num_layers)]
         kw.update(
             num_moe_experts=spec.num_experts,
             moe_router_topk=spec.moe_topk,
@@ -210,25 +285,28 @@ def transformer_config_from_spec(
     return TransformerConfig(**kw)
 
 
-def layer_spec(config, spec: ModelSpec):
-    """Local spec on CPU (or without TE), Transformer Engine spec on CUDA with TE installed."""
+def layer_spec(config, spec: ModelSpec, groups: ParallelGroups):
+    """The decoder spec of this rank's stage: local spec on CPU (or without TE), Transformer Engine
+    spec on CUDA with TE installed.
+
+    Dense models: one layer spec for every layer. MoE models: megatron's per-layer block spec, which
+    reads ``config.moe_layer_freq`` (dense layers from ``mlp_only_layers`` / ``decoder_sparse_step``)
+    and keeps this pipeline stage's layers.
+    """
     from megatron.core.models.gpt import gpt_layer_specs as gls
 
-    te = False
-    if use_cuda():
-        try:
-            import transformer_engine  # noqa: F401
-
-            te = True
-        except ImportError:
-            te = False
-    n_exp = spec.num_experts or None
+    te = uses_te_spec()
+    if spec.is_moe:
+        kw: dict[str, Any] = {"normalization": "RMSNorm"}
+        if "pp_rank" in inspect.signature(gls.get_gpt_decoder_block_spec).parameters:
+            kw["pp_rank"] = groups.pp_rank  # else megatron reads it from parallel_state (same value)
+        return gls.get_gpt_decoder_block_spec(config, use_transformer_engine=te, **kw)
     if te:
         return gls.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=n_exp, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_layernorm
+            num_experts=None, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_layernorm
         )
     return gls.get_gpt_layer_local_spec(
-        num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
+        num_experts=None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
     )
 
 
@@ -270,7 +348,7 @@ def build_gpt_model(
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, spec),
+        transformer_layer_spec=layer_spec(config, spec, groups),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=groups.is_first_stage,

@@ -594,6 +594,9 @@ VARIANTS: dict[str, tuple[bool, dict]] = {
     "gelu": (False, dict(hidden_act="gelu")),
     "moedense": (True, dict(mlp_only_layers=[1])),  # layer 0 MoE, layer 1 dense
     "moesparse2": (True, dict(num_hidden_layers=4, decoder_sparse_step=2)),  # layers 1, 3 MoE
+    "ffn129": (False, dict(intermediate_size=129)),  # not divisible by tp=2
+    "moeffn33": (True, dict(moe_intermediate_size=33)),  # not divisible by expert tp=2
+    "attnbias": (False, dict(attention_bias=True)),  # biases on q, k, v and o_proj
 }
 
 
@@ -696,7 +699,18 @@ def case_checkpoint_exact(args, variant: str, layout_name: str, load_layout: str
     return res
 
 
-VARIANT_CASES = {"vparity": case_variant_parity, "ckexact": case_checkpoint_exact}
+def case_refused(args, variant: str, layout_name: str, key: str) -> dict:
+    """Building a learner for the variant raises a ValueError whose message names ``key``."""
+    _, d = make_variant_hf(variant, args.workdir)
+    try:
+        learner_for(LAYOUTS[layout_name], d)
+        msg = "no error"
+    except ValueError as e:
+        msg = f"{type(e).__name__}: {e}"
+    return {"message": msg, "ok": key in msg and msg != "no error"}
+
+
+VARIANT_CASES = {"vparity": case_variant_parity, "ckexact": case_checkpoint_exact, "refused": case_refused}
 
 
 CASES = {

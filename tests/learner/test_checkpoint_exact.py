@@ -11,8 +11,11 @@ from __future__ import annotations
 import pytest
 from test_learner_dist import _check, _launch
 
-CASES = [f"ckexact:{v}:{lay}" for v in ("tied1002", "untied1002", "tied1024", "untied1024")
-         for lay in ("tp1", "pp2:tp1")]
+CASES = [
+    f"ckexact:{v}:{lay}"
+    for v in ("tied1002", "untied1002", "tied1024", "untied1024")
+    for lay in ("tp1", "pp2:tp1")
+]
 
 
 @pytest.fixture(scope="module")
