@@ -27,7 +27,12 @@ import torch.distributed as dist
 
 from megarl.learner.learner import Learner
 
-_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+# chained_optim_avoid_prefix: the dense and expert optimizers (EP > 1) save their per-parameter state
+# under the same keys as one optimizer (EP = 1) would, so the state loads across EP sizes.
+_OPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# Checkpoints written before that flag: optimizer state keys carry 'chained_<i>.' when EP > 1.
+_OPT_META_PREFIXED = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_FORMAT = 2  # megarl.json 'optimizer_format'; absent in checkpoints with prefixed keys
 META_FILE = "megarl.json"
 
 
@@ -84,6 +89,46 @@ def _ensure_optimizer_state(learner: Learner) -> None:
             st.setdefault("step", torch.tensor(0.0))
 
 
+def _split_optimizer_state(state: dict, n_opts: int) -> tuple[list[dict], list]:
+    """The loaded optimizer state as (the saved optimizers' common parts, this learner's
+    per-optimizer parameter states).
+
+    dist_checkpointing merges the common part as saved (one dict, or ``{0: dense, 1: expert}`` when
+    the saving run had EP > 1) with the parameter state in the shape of this learner's template,
+    so the two can be nested differently when EP changed.
+    """
+    chained = [state[k] for k in sorted(k for k in state if isinstance(k, int))]
+    saved_chained = any("param_state_sharding_type" in c or "optimizer" in c for c in chained)
+    top = {k: v for k, v in state.items() if not isinstance(k, int)}
+    commons = chained if saved_chained else [top]
+    if n_opts == 1:
+        param_states = [state.get("param_state")]
+    else:
+        param_states = [state.get(i, {}).get("param_state") for i in range(n_opts)]
+    commons = [{k: v for k, v in c.items() if k != "param_state"} for c in commons]
+    return commons, param_states
+
+
+def _common_for(opt, commons: list[dict]) -> dict:
+    """The common optimizer state (hyper-parameters and step of each parameter group) for ``opt``
+    from the saved optimizers' common parts.
+
+    megatron matches parameter groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr).
+    Experts are expert-parallel groups only when EP > 1, so after an EP change each saved group is
+    also offered under the other ``is_expert_parallel`` value (every optimizer of a run steps
+    together: hyper-parameters and step agree).
+    """
+    if any("optimizer" not in c for c in commons):
+        return commons[0]
+    groups = [g for c in commons for g in c["optimizer"]["param_groups"]]
+    flipped = [
+        dict(g, is_expert_parallel=not g["is_expert_parallel"]) for g in groups if "is_expert_parallel" in g
+    ]
+    out = dict(commons[0])
+    out["optimizer"] = dict(commons[0]["optimizer"], param_groups=flipped + groups)  # own values win
+    return out
+
+
 def _load_optimizer(learner: Learner, state: dict) -> None:
     """``optimizer.load_state_dict`` with the per-parameter state loaded in a second phase.
 
@@ -95,20 +140,20 @@ def _load_optimizer(learner: Learner, state: dict) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     opts = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
-    parts = [state] if len(opts) == 1 else [v for _, v in sorted(state.items())]
-    if len(parts) != len(opts):
-        raise CheckpointError(
-            f"checkpoint has {len(parts)} optimizer(s), the learner {len(opts)} "
-            "(dense/expert split differs: EP changed between save and load?)"
-        )
-    for opt, part in zip(opts, parts):
+    commons, param_states = _split_optimizer_state(state, len(opts))
+    for opt, param_state in zip(opts, param_states):
+        part = dict(_common_for(opt, commons))
         if not (
             isinstance(opt, DistributedOptimizer)
             and part.get("param_state_sharding_type") == "fully_reshardable"
         ):
-            opt.load_state_dict(part)
+            if len(commons) != len(opts):
+                raise CheckpointError(
+                    f"checkpoint has {len(commons)} optimizer(s), the learner {len(opts)}: an EP change "
+                    "is supported with the distributed optimizer only"
+                )
+            opt.load_state_dict(commons[opts.index(opt)])
             continue
-        param_state = part.pop("param_state")
         part.pop("param_state_sharding_type")
         opt.load_state_dict(part)
         steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
@@ -253,7 +298,7 @@ def _check_main_params_match_model(model_sd: dict, opt_sd: dict, device: torch.d
         )
 
 
-def _sharded_state(learner: Learner, is_loading: bool) -> dict:
+def _sharded_state(learner: Learner, is_loading: bool, opt_meta: dict | None = None) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     if is_loading:
@@ -262,7 +307,9 @@ def _sharded_state(learner: Learner, is_loading: bool) -> dict:
     model_sd = learner.model.sharded_state_dict()
     world, rank = dist.get_world_size(), dist.get_rank()
     with _bucket_padding_fixed(learner):
-        opt_sd = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_META)
+        opt_sd = learner.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=dict(opt_meta or _OPT_META)
+        )
     if not is_loading:
         _check_main_params_match_model(model_sd, opt_sd, learner.groups.device)
     return {
@@ -320,12 +367,46 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
             "layout": asdict(learner.groups.layout),
             "world_size": dist.get_world_size(),
             "hf_config": learner.hf_config,
+            "optimizer_format": OPTIMIZER_FORMAT,
+            "distributed_optimizer": learner.cfg.optim.use_distributed_optimizer,
         }
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
         os.rename(tmp, ckpt_dir)
     dist.barrier()
     return ckpt_dir
+
+
+def _check_loadable(learner: Learner, meta: dict, ckpt_dir: str) -> dict:
+    """Refuse, before reading any tensor, the layout changes that are not supported; returns the
+    optimizer metadata the checkpoint was written with.
+
+    Supported (tested, see docs/learner.md): any TP / PP / DP / EP change with the distributed
+    optimizer. Refused: an EP change of a MoE model without the distributed optimizer, or from a
+    checkpoint written before optimizer_format 2 (its optimizer keys depend on the EP size), and
+    loading with the other optimizer kind (distributed vs not) than the one that saved.
+    """
+    saved_ep = int(meta.get("layout", {}).get("ep", 1))
+    ep = learner.groups.layout.ep
+    dist_opt = learner.cfg.optim.use_distributed_optimizer
+    if meta.get("distributed_optimizer", dist_opt) != dist_opt:
+        raise CheckpointError(
+            f"{ckpt_dir}: saved with use_distributed_optimizer={meta['distributed_optimizer']}, "
+            f"loading with {dist_opt}: not supported"
+        )
+    ep_change = learner.spec.is_moe and saved_ep != ep
+    prefixed = meta.get("optimizer_format", 1) < OPTIMIZER_FORMAT
+    if ep_change and prefixed:
+        raise CheckpointError(
+            f"{ckpt_dir}: saved at ep={saved_ep} by an earlier megarl (optimizer_format 1, whose optimizer "
+            f"state keys depend on EP); load it at ep={saved_ep}"
+        )
+    if ep_change and not dist_opt:
+        raise CheckpointError(
+            f"{ckpt_dir}: saved at ep={saved_ep}, loading at ep={ep}: an EP change needs the "
+            "distributed optimizer (use_distributed_optimizer=True)"
+        )
+    return _OPT_META_PREFIXED if prefixed else _OPT_META
 
 
 def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> dict:
@@ -340,8 +421,9 @@ def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> dict:
         raise CheckpointError(f"{ckpt_dir}: not a complete megarl checkpoint (no {META_FILE})")
     with open(meta_path) as f:
         meta = json.load(f)
+    opt_meta = _check_loadable(learner, meta, ckpt_dir)
     same_world = meta["world_size"] == dist.get_world_size()
-    template = _sharded_state(learner, is_loading=True)
+    template = _sharded_state(learner, is_loading=True, opt_meta=opt_meta)
     if not same_world:
         template.pop("rng")
     loaded = dist_checkpointing.load(template, ckpt_dir)

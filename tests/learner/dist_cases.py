@@ -592,6 +592,7 @@ VARIANTS: dict[str, tuple[bool, dict]] = {
     "untied1024": (False, dict(vocab_size=1024, hidden_size=48)),
     "gelutanh": (False, dict(hidden_act="gelu_pytorch_tanh")),
     "gelu": (False, dict(hidden_act="gelu")),
+    "moe": (True, {}),
     "moedense": (True, dict(mlp_only_layers=[1])),  # layer 0 MoE, layer 1 dense
     "moesparse2": (True, dict(num_hidden_layers=4, decoder_sparse_step=2)),  # layers 1, 3 MoE
     "ffn129": (False, dict(intermediate_size=129)),  # not divisible by tp=2
@@ -710,7 +711,45 @@ def case_refused(args, variant: str, layout_name: str, key: str) -> dict:
     return {"message": msg, "ok": key in msg and msg != "no error"}
 
 
-VARIANT_CASES = {"vparity": case_variant_parity, "ckexact": case_checkpoint_exact, "refused": case_refused}
+def case_checkpoint_refused(args, variant: str, layout_name: str, load_layout: str) -> dict:
+    """The EP changes that are not supported are refused before any tensor is read, naming why:
+    a checkpoint of the earlier optimizer format (its megarl.json has no optimizer_format), and a run
+    without the distributed optimizer."""
+    import json as _json
+
+    from megarl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    _, d = make_variant_hf(variant, args.workdir)
+    batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    results = {}
+    for name, dist_opt in (("old_format", True), ("no_dist_optimizer", False)):
+        optim = OptimConfig(lr=1e-3, adam_eps=1e-6, use_distributed_optimizer=dist_opt)
+        ln = learner_for(LAYOUTS[layout_name], d, optim=optim)
+        ln.train_step(dp_shard(batch, ln), PolicyGradientObjective())
+        ckpt = os.path.join(args.workdir, f"ckrefuse-{variant}-{layout_name}-{name}")
+        save_checkpoint(ln, ckpt)
+        if name == "old_format" and dist.get_rank() == 0:
+            meta_path = os.path.join(ckpt, "megarl.json")
+            meta = _json.load(open(meta_path))
+            meta.pop("optimizer_format")
+            _json.dump(meta, open(meta_path, "w"))
+        dist.barrier()
+        ln2 = learner_for(LAYOUTS[load_layout], d, optim=optim)
+        try:
+            load_checkpoint(ln2, ckpt)
+            results[name] = "no error"
+        except CheckpointError as e:
+            results[name] = str(e)
+    want = {"old_format": "optimizer_format 1", "no_dist_optimizer": "needs the distributed optimizer"}
+    return {"messages": results, "ok": all(want[k] in results[k] for k in want)}
+
+
+VARIANT_CASES = {
+    "ckrefuse": case_checkpoint_refused,
+    "vparity": case_variant_parity,
+    "ckexact": case_checkpoint_exact,
+    "refused": case_refused,
+}
 
 
 CASES = {
