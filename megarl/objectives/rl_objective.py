@@ -200,7 +200,8 @@ class RLObjective:
             loss = loss + reg["coef"] * term
             metrics[f"reg/{reg['name']}"] = term.detach()
         ratio = torch.exp(logp.detach() - old)
-        clipped = (ratio < 1 - self.clip["clip_low"]) | (ratio > 1 + self.clip["clip_high"])
+        lo, hi = self.clip["clip_low"], self.clip["clip_high"]  # None: a loss that clips through another
+        clipped = (ratio < 1 - (0.2 if lo is None else lo)) | (ratio > 1 + (0.28 if hi is None else hi))
         metrics["entropy"] = _token_mean(ent.detach(), mask, norm)
         metrics["clip_frac"] = _token_mean(clipped.to(logp.dtype), mask, norm)
         metrics["ratio_mean"] = _token_mean(ratio, mask, norm)
@@ -220,7 +221,7 @@ def resolved_clip(cfg: ObjectiveConfig) -> dict[str, Any]:
         v = getattr(cfg, key)
         if v is None and key in params and params[key].default is not inspect.Parameter.empty:
             v = params[key].default
-        out[key] = 0.0 if v is None and key != "dual_clip" else v
+        out[key] = v
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 
 from megarl.batch import PackedBatch, unpack
 from megarl.objectives.api import GlobalNormalisers, LossContext
-from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
+from megarl.objectives.rl_objective import ObjectiveConfig, build_objective, resolved_clip
 from megarl.testing.simulated_group import SimulatedWorld
 from reference.loss import rl_loss
 
@@ -55,9 +55,9 @@ def reference_loss_and_grad(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         tok["advantages"],
         old,
         policy_loss=cfg.policy_loss,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
+        clip_low=resolved_clip(cfg)["clip_low"],
+        clip_high=resolved_clip(cfg)["clip_high"],
+        dual_clip=resolved_clip(cfg)["dual_clip"],
         aggregation_mode=cfg.aggregation,
         max_len=case.extra.get("max_len"),
         kl_coef=cfg.kl_coef,

@@ -93,9 +93,8 @@ class DataConfig:
     answer_field: str = "answer"
     task_field: str = "task"
     prompt_template: str = "{prompt}"
-    chat_template: bool = (
-        False  # wrap the rendered prompt as a user turn with the HF tokenizer's chat template
-    )
+    # wrap the rendered prompt as a user turn with the HF tokenizer's chat template
+    chat_template: bool = False
     system_prompt: str | None = None  # chat_template: an optional system turn before the user turn
     on_bad_row: Literal["fatal", "skip"] = "fatal"
     max_bad_rows: int = 10  # with on_bad_row=skip: more bad rows than this is fatal
@@ -224,9 +223,8 @@ class LoggingConfig:
     tensorboard: bool = False  # event files in run_dir/tensorboard (the `tensorboard` package)
     wandb: bool = False  # log to Weights & Biases when the wandb package is installed (never required)
     wandb_project: str = "megarl"
-    progress: Literal["auto", "bar", "lines"] = (
-        "auto"  # auto: a live bar on a terminal, plain lines otherwise
-    )
+    # auto: a live bar on a terminal, plain lines otherwise
+    progress: Literal["auto", "bar", "lines"] = "auto"
     plot: bool = True
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from megarl.batch import from_sequences, unpack
 from megarl.methods.trust_regions.eppo import EppoState
-from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
+from megarl.objectives.rl_objective import ObjectiveConfig, build_objective, resolved_clip
 from megarl.testing.equivalence import megarl_loss_and_grad
 from reference import trust_regions as ref
 from tests.methods.trust_regions_harness import (
@@ -75,10 +75,10 @@ def _reference_step(case, st_ref):
                 adv,
                 pad.per_seq["task_ids"],
                 scales,
-                cfg.clip_low,
-                cfg.clip_high,
+                resolved_clip(cfg)["clip_low"],
+                resolved_clip(cfg)["clip_high"],
                 a["adapt_low"],
-                cfg.dual_clip,
+                resolved_clip(cfg)["dual_clip"],
             ),
             pad,
             cfg.aggregation,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from megarl.batch import from_sequences
 from megarl.methods.trust_regions.gapo import gapo as gapo_loss
 from megarl.methods.trust_regions.gapo import prepare
-from megarl.objectives.rl_objective import ObjectiveConfig
+from megarl.objectives.rl_objective import ObjectiveConfig, resolved_clip
 from megarl.testing.equivalence import megarl_loss_and_grad
 from reference import trust_regions as ref
 from reference.advantages import grpo
@@ -63,9 +63,9 @@ def _reference(case):
                 old,
                 adv,
                 mask,
-                cfg.clip_low,
-                cfg.clip_high,
-                dual_clip=cfg.dual_clip,
+                resolved_clip(cfg)["clip_low"],
+                resolved_clip(cfg)["clip_high"],
+                dual_clip=resolved_clip(cfg)["dual_clip"],
                 **cfg.policy_loss_args,
             ),
             pad,

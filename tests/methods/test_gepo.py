@@ -97,7 +97,7 @@ def test_state_round_trip_and_missing_entropies_is_named():
     import pytest
 
     s = GEPOHistory(0.7, 0.9, 0.8)
-    t = ADVANTAGE_ESTIMATORS.get("gepo").make_state(beta=0.8)
+    t = ADVANTAGE_ESTIMATORS.info("gepo").make_state(beta=0.8)
     t.load_state_dict(s.state_dict())
     assert t == s
     from megarl.batch import from_sequences

@@ -10,7 +10,7 @@ from megarl.batch import from_sequences
 from megarl.methods.trust_regions.sao import sao_clip as sao_loss
 from megarl.objectives.api import GlobalNormalisers, LossContext
 from megarl.objectives.policy_losses import ppo
-from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
+from megarl.objectives.rl_objective import ObjectiveConfig, build_objective, resolved_clip
 from reference import trust_regions as ref
 from tests.methods.trust_regions_harness import (
     aggregate,
@@ -36,7 +36,13 @@ def _reference(case):
     def fn(full, pad):
         logp, _, adv, _ = padded_inputs(full, pad)
         return aggregate(
-            ref.sao_clip(logp, pad.per_token["rollout_logprobs"], adv, cfg.clip_low, cfg.clip_high),
+            ref.sao_clip(
+                logp,
+                pad.per_token["rollout_logprobs"],
+                adv,
+                resolved_clip(cfg)["clip_low"],
+                resolved_clip(cfg)["clip_high"],
+            ),
             pad,
             cfg.aggregation,
         )

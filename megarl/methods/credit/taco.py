@@ -48,8 +48,8 @@ def taco(
     adv,
     mask,
     cu_seqlens,
-    clip_low=0.2,
-    clip_high=0.28,
+    clip_low=None,
+    clip_high=None,
     dual_clip=None,
     *,
     entropy: torch.Tensor,
@@ -58,12 +58,14 @@ def taco(
     lam: float = 0.9,
     **base_args,
 ):
-    """The ``base`` policy loss on TACO-calibrated advantages; [T]."""
+    """The ``base`` policy loss on TACO-calibrated advantages; [T]. A clip bound left unset (None)
+    is the base loss's own default."""
     if base == "taco":
         raise ValueError("taco: base must be another policy loss")
     shaped = taco_advantages(adv, logp, entropy, alpha, lam)
+    clip = {k: v for k, v in (("clip_low", clip_low), ("clip_high", clip_high)) if v is not None}
     return POLICY_LOSSES.get(base)(
-        logp, old_logp, shaped, mask, cu_seqlens, clip_low, clip_high, dual_clip, **base_args
+        logp, old_logp, shaped, mask, cu_seqlens, dual_clip=dual_clip, **clip, **base_args
     )
 
 
