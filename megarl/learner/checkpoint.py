@@ -3,11 +3,15 @@
 Layout on disk (``ckpt_dir``)::
 
     <torch_dist shards, common.pt, metadata.json>   dist_checkpointing's format
-    megarl.json                                     step, layout it was saved with, HF config
+    megarl.json                                     step, layout it was saved with, HF config,
+                                                    optimizer_format, distributed_optimizer
 
 Atomic: all ranks write into ``ckpt_dir + ".tmp-megarl"``, then rank 0 renames it to ``ckpt_dir``;
 a crash mid-save leaves no ``ckpt_dir``. The model and the DistributedOptimizer state are saved in
-reshardable form (``fully_reshardable``), so a checkpoint loads under another TP/PP/EP layout.
+reshardable form (``fully_reshardable``, optimizer keys independent of EP), so a checkpoint loads
+under another TP/PP/EP layout; docs/learner.md lists the moves tested. ``load_checkpoint`` refuses
+up front an EP change without the distributed optimizer or from a checkpoint of an earlier
+optimizer format, and a switch between the distributed and the plain optimizer.
 RNG states are stored per global rank and restored when the world size matches (else left alone,
 and ``load_checkpoint`` says so in its return value).
 """
