@@ -290,7 +290,7 @@ def _check_main_params_match_model(model_sd: dict, opt_sd: dict, device: torch.d
         ref = model_data.get((key[len(prefix) :], *where(sh)))
         if ref is None:
             continue
-        if sh.data.shape != ref.shape or not torch.equal(sh.data.to(ref.dtype), ref):
+        if sh.data.shape != ref.shape or not torch.equal(sh.data.to(device=ref.device, dtype=ref.dtype), ref):
             bad.append(key[len(prefix) :])
     total = torch.tensor([len(bad)], dtype=torch.int64, device=device)
     dist.all_reduce(total)  # every rank refuses together (a lone raise would hang its peers)
