@@ -4,7 +4,7 @@ This is the ONE place where megarl patches megatron-core or ``torch.cuda`` behav
 by ``apply_cpu_shims()`` only when the learner runs without a CUDA device; GPU code paths never
 import this module (tests/learner/test_cpu_shims.py checks that in a subprocess).
 
-Shims (numbering follows /work/shared/notes/megatron-core-on-cpu.md):
+Shims (P1..P9):
 
 - P1 ``torch.cuda.current_device()`` returns the CPU device (RoPE and others allocate on it).
 - P2 CUDA RNG get/set/seed (torch.cuda and megatron's tensor_parallel.random helpers) use the CPU RNG.
