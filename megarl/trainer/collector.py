@@ -165,6 +165,7 @@ class RolloutCollector:
         rr = await asyncio.to_thread(self.rewards, texts, answers)
         stats["errors"] += rr.errors
         stats["timeouts"] += rr.timeouts
+        stats["worker_deaths"] += rr.worker_deaths
         for f in rr.failures[:2]:
             self.log(f"megarl train: reward failure contained ({f}); fallback {self.fallback}")
         r = RolloutRound(

@@ -16,6 +16,9 @@ def rollout_metrics(run: Any, ro: Rollouts, rs: dict) -> dict:
     round processors' metrics and any the rollout source added (``rs["async"]``)."""
     run.failures_total["errors"] += rs["errors"]
     run.failures_total["timeouts"] += rs["timeouts"]
+    run.failures_total["worker_deaths"] = run.failures_total.get("worker_deaths", 0) + rs.get(
+        "worker_deaths", 0
+    )
     rec: dict = {}
     if ro.rewards:
         r = torch.tensor(ro.rewards)
