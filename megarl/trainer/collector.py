@@ -57,6 +57,7 @@ def empty_stats() -> dict:
         "rounds": 0,
         "errors": 0,
         "timeouts": 0,
+        "worker_deaths": 0,
         "method": {},
     }
 
