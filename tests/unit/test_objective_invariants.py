@@ -76,7 +76,9 @@ def test_dppo_tv_zero_gradient_exactly_when_probability_moved_beyond_delta(old, 
 def test_k3_is_nonnegative(a, b):
     n = min(len(a), len(b))
     x, y = torch.tensor(a[:n]), torch.tensor(b[:n])
-    assert torch.all(mkl.k3(x, y) >= 0) and torch.all(rkl.kl_k3(x, y) >= 0)
+    assert torch.all(mkl.k3(x, y) >= 0)  # expm1: exactly non-negative
+    # the reference writes the formula as read, exp(x) - x - 1, which rounds to -1 ulp of 1 near x = 0
+    assert torch.all(rkl.kl_k3(x, y) >= -2 * torch.finfo(x.dtype).eps)
 
 
 @given(st.lists(floats, min_size=1, max_size=10))
