@@ -10,7 +10,6 @@ config (defaults filled in) into the run directory.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import types
 import typing
@@ -473,6 +472,7 @@ def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need no model: sizes, part names and their knobs."""
     from megarl.advantages import ADVANTAGE_ESTIMATORS
     from megarl.catalogue import load_builtin
+    from megarl.plugin.knobs import check_call_knobs
 
     load_builtin()
 
@@ -511,22 +511,17 @@ def validate(cfg: TrainConfig) -> None:
             f"{', '.join(ADVANTAGE_ESTIMATORS.names())}"
         )
     fn = ADVANTAGE_ESTIMATORS.get(cfg.advantage.estimator)
-    params = {n: p for n, p in inspect.signature(fn).parameters.items() if n != "batch"}
-    for k, v in cfg.advantage.knobs.items():
-        if k not in params:
-            raise ConfigError(
-                f"unknown key advantage.{k} for estimator {cfg.advantage.estimator!r}; allowed: "
-                f"estimator{', ' if params else ''}{', '.join(params)}"
-            )
-        default = params[k].default
-        if isinstance(default, bool) and not isinstance(v, bool):
-            raise ConfigError(f"advantage.{k}={v!r} must be true or false")
-        if (
-            isinstance(default, (int, float))
-            and not isinstance(default, bool)
-            and (isinstance(v, bool) or not isinstance(v, (int, float)))
-        ):
-            raise ConfigError(f"advantage.{k}={v!r} must be a number")
+    try:
+        check_call_knobs(
+            fn,
+            cfg.advantage.knobs,
+            "advantage",
+            f"estimator {cfg.advantage.estimator!r}",
+            skip=("batch",),
+            also_allowed=("estimator",),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         cfg.objective.validate()
         validate_faults(cfg.faults)

@@ -119,7 +119,7 @@ class MethodRuntime:
         for provider, names in _providers(wanted):
             if provider.stage == "round":
                 continue
-            built = provider.build(_with_provider_knobs(ctx, provider), frozenset(names))
+            built = provider.build(ctx.with_knobs(provider_knobs(ctx.cfg, provider)), frozenset(names))
             (rt.learner_passes if provider.stage == "learner" else rt.batch_fillers).append(built)
         return rt
 
@@ -134,7 +134,7 @@ class MethodRuntime:
             for provider, names in _providers(self.inputs):
                 if provider.stage == "round":
                     self.round_processors.append(
-                        provider.build(_with_provider_knobs(ctx, provider), frozenset(names))
+                        provider.build(ctx.with_knobs(provider_knobs(ctx.cfg, provider)), frozenset(names))
                     )
         if spec is not None and spec.build is not None:
             parts: MethodParts = spec.build(ctx, method_knobs)
@@ -172,7 +172,7 @@ class MethodRuntime:
         }
 
     def load_state_dict(self, state: dict, rank0: bool = True) -> None:
-        """Restore ``state_dict()``; a mismatch names what differs."""
+        """Restore ``state_dict()`` (round processors exist on rank 0 only); a mismatch names what differs."""
         est = state.get("estimator")
         if (self.advantages.state is None) != (est is None):
             raise ValueError(
@@ -182,22 +182,17 @@ class MethodRuntime:
             )
         if est is not None:
             self.advantages.state.load_state_dict(est)
-        for kind, parts in (
-            ("round_processors", self.round_processors if rank0 else []),
-            ("step_hooks", self.step_hooks),
-        ):
+        kinds = [("step_hooks", self.step_hooks)] + (
+            [("round_processors", self.round_processors)] if rank0 else []
+        )
+        for kind, parts in kinds:
             saved = state.get(kind, [])
-            if rank0 or kind == "step_hooks":
-                if len(saved) != len(parts):
-                    raise ValueError(
-                        f"checkpoint has {len(saved)} {kind.replace('_', ' ')}, this run has {len(parts)}"
-                    )
-                for p, s in zip(parts, saved):
-                    p.load_state_dict(s)
-
-
-def _with_provider_knobs(ctx: Any, provider: Any) -> Any:
-    return ctx.with_knobs(provider_knobs(ctx.cfg, provider))
+            if len(saved) != len(parts):
+                raise ValueError(
+                    f"checkpoint has {len(saved)} {kind.replace('_', ' ')}, this run has {len(parts)}"
+                )
+            for part, st in zip(parts, saved):
+                part.load_state_dict(st)
 
 
 def _providers(wanted: dict[str, str]) -> list[tuple[Any, list[str]]]:

@@ -30,10 +30,6 @@ from megarl.rollout.workflow import version_of
 from megarl.trainer.rollouts import CollectedBatch
 
 
-def _log(msg: str) -> None:
-    print(msg, flush=True)  # the producer lives on rank 0 only
-
-
 # ----------------------------------------------------------------------------------------- pieces
 class ThreadEventLoop:
     """An asyncio event loop running forever in a daemon thread.

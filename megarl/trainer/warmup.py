@@ -3,12 +3,9 @@ policy (HF safetensors), which is the RL start and the KL reference."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from megarl.batch import PackedBatch, from_sequences
 from megarl.data.dataset import PromptRow, PromptSampler
@@ -58,9 +55,5 @@ def run_warmup(run: Any, init_dir: Path) -> None:
         m = ln.train_step(share, obj, 1, GlobalNormalisers.from_batch(share, run.dp_group()))
         if s % 10 == 0 or s == w.sft_steps:
             log(f"warm-up {s:>3}/{w.sft_steps}  nll {m['nll']:.3f}  ({time.time() - t0:.1f}s)")
-    tmp = init_dir.with_name(init_dir.name + ".tmp-megarl")
-    if dist.get_rank() == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    dist.barrier()
     save_hf_checkpoint(ln.model, run.groups, init_dir, hf_config=run.hf)
     del ln

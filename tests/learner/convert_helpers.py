@@ -26,26 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-VOCAB = 256
-
-
-def tiny_config(moe: bool) -> dict:
-    """A tiny Qwen3 / Qwen3-MoE config: 4 heads, 2 KV heads, 2 layers, 4 experts top-2."""
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-    )
-    if moe:
-        base.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
-    return base
+from tests.learner.dist_cases import VOCAB, tiny_hf_config  # noqa: E402
 
 
 def make_tiny_hf(out: Path, moe: bool, seed: int = 0) -> Path:
@@ -54,9 +35,9 @@ def make_tiny_hf(out: Path, moe: bool, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = (
-        Qwen3MoeForCausalLM(Qwen3MoeConfig(**tiny_config(True)))
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(**tiny_hf_config(True)))
         if moe
-        else Qwen3ForCausalLM(Qwen3Config(**tiny_config(False)))
+        else Qwen3ForCausalLM(Qwen3Config(**tiny_hf_config(False)))
     )
     model.float().save_pretrained(out)
     return Path(out)

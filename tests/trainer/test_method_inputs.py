@@ -70,7 +70,6 @@ class RewardShaping:
     """The configured shaper as the collector runs it (a round processor)."""
 
     def __init__(self, cfg, run=None):
-        rewards = None
         self.p = ShapingProcessor(
             RunContext(
                 cfg=cfg,
@@ -79,7 +78,6 @@ class RewardShaping:
                 rank0=True,
                 init_dir=Path("unused"),
                 make_learner=lambda *a, **k: None,
-                score=rewards,
             )
         )
 

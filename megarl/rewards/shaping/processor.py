@@ -18,7 +18,7 @@ import torch
 
 from megarl.plugin.rounds import RolloutRound, RoundResult
 from megarl.rewards.shaping.judge import JudgeTokenizer, LLMJudge
-from megarl.rewards.shaping.registry import REWARD_SHAPERS, build_reward_shaping
+from megarl.rewards.shaping.registry import build_reward_shaping
 
 
 @dataclass
@@ -101,4 +101,4 @@ def dims_matrix(r: RolloutRound) -> torch.Tensor:
     return torch.stack([r.dims[k].double() for k in r.weights], 1)
 
 
-__all__ = ["REWARD_SHAPERS", "ShapingEnv", "ShapingProcessor", "dims_matrix", "make_judge"]
+__all__ = ["ShapingEnv", "ShapingProcessor", "dims_matrix", "make_judge"]

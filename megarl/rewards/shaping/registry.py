@@ -7,9 +7,9 @@ with depends on the method (texts, reward vectors, rubric scores): see each modu
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
+from megarl.plugin.knobs import check_call_knobs
 from megarl.registry import Registry
 
 REWARD_SHAPERS: Registry = Registry("reward_shaper")
@@ -30,21 +30,6 @@ def build_reward_shaping(reward_section: dict) -> Any:
             f"reward.shaping.name={spec['name']!r}; allowed: {', '.join(REWARD_SHAPERS.names())}"
         )
     cls = REWARD_SHAPERS.get(spec["name"])
-    params = inspect.signature(cls.__init__).parameters
     knobs = {k: v for k, v in spec.items() if k != "name"}
-    for k, v in knobs.items():
-        if k not in params:
-            raise ValueError(
-                f"unknown key reward.shaping.{k} for {spec['name']!r}; allowed: "
-                f"{', '.join(n for n in params if n != 'self')}"
-            )
-        d = params[k].default
-        if isinstance(d, bool) and not isinstance(v, bool):
-            raise ValueError(f"reward.shaping.{k}={v!r} must be true or false")
-        if (
-            isinstance(d, (int, float))
-            and not isinstance(d, bool)
-            and (isinstance(v, bool) or not isinstance(v, (int, float)))
-        ):
-            raise ValueError(f"reward.shaping.{k}={v!r} must be a number")
+    check_call_knobs(cls.__init__, knobs, "reward.shaping", repr(spec["name"]), skip=("self",))
     return cls(**knobs)
