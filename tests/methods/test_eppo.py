@@ -140,7 +140,8 @@ def test_bound_monotone_in_task_entropy_and_within_limits(h, kappa):
     s.update(torch.tensor(h, dtype=torch.float64), torch.ones(len(h), dtype=torch.float64), 0.9)
     c = s.scales(kappa, 0.5, 2.0, "mean")
     order = torch.argsort(torch.tensor(h))
-    assert torch.all(c[order][1:] >= c[order][:-1]) and torch.all((c >= 0.5) & (c <= 2.0))
+    # monotone up to rounding: entropies 1 ulp apart may give scales 1 ulp out of order
+    assert torch.all(c[order][1:] >= c[order][:-1] - 1e-12) and torch.all((c >= 0.5) & (c <= 2.0))
     seen = torch.ones(len(h), dtype=torch.bool)
     torch.testing.assert_close(c, ref.eppo_task_scales(s.ema, seen, s.initial, kappa))
 
