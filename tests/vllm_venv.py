@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout.launcher import default_vllm_python
+from megarl.rollout.server_process import default_vllm_python
 
 
 def require_vllm_python() -> str:

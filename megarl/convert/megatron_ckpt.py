@@ -1,6 +1,6 @@
 """Model-weights-only Megatron checkpoints, in the learner checkpoint's format.
 
-A learner checkpoint (``megarl.learner.checkpoint``) holds ``{"model", "optimizer", "scheduler",
+A learner checkpoint (``megarl.learner.dist_checkpoint``) holds ``{"model", "optimizer", "scheduler",
 "rng", "step"}`` saved with megatron-core ``dist_checkpointing`` plus ``megarl.json``. The converter
 writes the ``"model"`` part only (same keys: ``GPTModel.sharded_state_dict()``) and a
 ``megarl.json`` with ``"contents": ["model"]``, and reads the ``"model"`` part of any learner

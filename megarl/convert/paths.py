@@ -11,7 +11,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
-META_FILE = "megarl.json"  # the learner checkpoint's metadata file (megarl.learner.checkpoint.META_FILE)
+META_FILE = "megarl.json"  # the learner checkpoint's metadata file (megarl.learner.dist_checkpoint.META_FILE)
 TRAINER_STATE = "trainer.json"  # marks a complete run checkpoint step directory
 INIT_POLICY = "init_policy"  # run_dir/init_policy: the run's HF start weights (config + tokenizer)
 # Files of a HF model directory that are not weights: carried over to an exported HF directory.

@@ -121,7 +121,7 @@ class FaultMonitor:
             # known in advance: the full learner state (weights, Adam moments, LR schedule, RNG)
             # before the step, so every optimizer step of it replays exactly (collective). Before
             # the first successful update the optimizer is fresh, as a replay's is: nothing to save.
-            from megarl.learner.checkpoint import save_checkpoint
+            from megarl.learner.dist_checkpoint import save_checkpoint
 
             learner_dir = self.dump_dir / f".learner_before_{step:06d}"
             if _rank0() and learner_dir.exists():

@@ -14,8 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from megarl.launch.launcher import EXIT_CONFIG, LaunchOptions, NodeLauncher
 from megarl.launch.layout import Layout, LayoutError, check_layout
+from megarl.launch.node_launcher import EXIT_CONFIG, LaunchOptions, NodeLauncher
 from megarl.launch.roles import assign_roles, learner_rank_env, master_addr
 from megarl.launch.slurm_env import SlurmEnvError, read_slurm_task
 

@@ -35,7 +35,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megarl.launch.checkpoint import commit_checkpoint, find_latest  # noqa: E402
+from megarl.launch.checkpoint_dirs import commit_checkpoint, find_latest  # noqa: E402
 from megarl.launch.dist import DistContext, DistributedError, init_from_env, named_errors  # noqa: E402
 from megarl.launch.selftest_model import batch, digest, make_model, make_optimizer  # noqa: E402
 

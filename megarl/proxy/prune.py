@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from megarl.proxy.cluster import METHODS, REPRESENTATIVES, cluster_layer, expert_features
-from megarl.proxy.moe_checkpoint import (
+from megarl.proxy.hf_expert_files import (
     EXPERT_COUNT_KEYS,
     CheckpointIndex,
     MoEConfig,

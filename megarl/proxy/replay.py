@@ -141,7 +141,7 @@ def replay_dump(
     )
     full = full_state_dir(dump_dir, meta) if model_dir is None else None
     if full is not None:
-        from megarl.learner.checkpoint import load_checkpoint
+        from megarl.learner.dist_checkpoint import load_checkpoint
 
         load_checkpoint(learner, full)
         notes.append(f"full learner state before the step (weights, Adam moments, LR schedule) from {full}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megarl.proxy.moe_checkpoint import ProxyInputError
+from megarl.proxy.hf_expert_files import ProxyInputError
 
 TEXT_FIELDS = ("text", "prompt")
 

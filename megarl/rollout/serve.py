@@ -19,7 +19,12 @@ import sys
 import time
 
 from megarl.rollout.keys import RolloutKeys
-from megarl.rollout.launcher import ServerLaunchError, VLLMServerConfig, default_vllm_python, launch_vllm
+from megarl.rollout.server_process import (
+    ServerLaunchError,
+    VLLMServerConfig,
+    default_vllm_python,
+    launch_vllm,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ import time
 
 import torch.distributed as dist
 
-from megarl.trainer import checkpointing
+from megarl.trainer import run_checkpoint
 from megarl.trainer.loop import Trainer
 from megarl.trainer.rollout_producer import RolloutProducer, ThreadEventLoop, staleness_of, too_stale
 from megarl.trainer.rollouts import Rollouts, batch_from_json, rollouts_from_groups
@@ -64,7 +64,9 @@ class AsyncRollouts:
         run = self.run
         restored, counters, first = [], {}, step
         ckpt = (
-            checkpointing.checkpoint_root(run.run_dir) / f"step_{step - 1:06d}" / checkpointing.TRAINER_STATE
+            run_checkpoint.checkpoint_root(run.run_dir)
+            / f"step_{step - 1:06d}"
+            / run_checkpoint.TRAINER_STATE
         )
         if step > 1 and run.cfg.checkpoint.resume == "auto" and ckpt.is_file():
             saved = json.loads(ckpt.read_text()).get("async")

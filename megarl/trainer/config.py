@@ -104,7 +104,9 @@ class DataConfig:
 class RewardFunctionConfig:
     """One named reward dimension. ``kind``: exact_match | regex | math_verify (the ``math-verify``
     package: the response's final answer equals the ground truth mathematically) | python
-    (``function`` = "module:name"). math_verify and python run in a contained worker process."""
+    (``function`` = "module:name"). math_verify and python run in a contained worker process.
+    ``correct``: this reward is the correctness check (a value >= 1 is a correct answer); accuracy
+    metrics use it. Required on one entry when there are several (megarl/rewards/correctness.py)."""
 
     name: str = "correct"
     kind: Literal["exact_match", "regex", "math_verify", "python"] = "exact_match"
@@ -112,6 +114,7 @@ class RewardFunctionConfig:
     pattern: str | None = None  # regex: a match (with the answer substituted for {answer}) = 1
     function: str | None = None  # python: "package.module:function"
     kwargs: dict = field(default_factory=dict)
+    correct: bool = False  # the correctness check (accuracy metrics); one entry when there are several
 
 
 @dataclass
@@ -550,6 +553,10 @@ def validate(cfg: TrainConfig) -> None:
                 f"reward.functions[{i}].function must be 'module:function' for kind 'python', "
                 f"got {f.function!r}"
             )
+    try:
+        correctness_index(cfg.reward.functions)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check_method_inputs(cfg)
     if cfg.model.hf_dir is None and not cfg.model.hf_config:
         raise ConfigError(

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megarl.objectives.api import GlobalNormalisers
 from megarl.plugin.inputs import RolloutInfo
 from megarl.rundir import read_metrics
-from megarl.trainer import checkpointing
+from megarl.trainer import run_checkpoint
 from megarl.trainer.config import TrainConfig
 from megarl.trainer.evaluation import eval_text, evaluate
 from megarl.trainer.metrics import Progress
@@ -73,9 +73,9 @@ def build_run(cfg: TrainConfig) -> tuple[Run, int, dict]:
     run.build_learners(init_dir)
     start, method_state, run.failures_total = 0, {}, {"errors": 0, "timeouts": 0}
     if ckpt is not None:
-        state = checkpointing.load(ckpt, run.learner)
-        run.objective.load_state_dict(checkpointing.load_objective_state(ckpt))
-        method_state = checkpointing.load_method_state(ckpt)
+        state = run_checkpoint.load(ckpt, run.learner)
+        run.objective.load_state_dict(run_checkpoint.load_objective_state(ckpt))
+        method_state = run_checkpoint.load_method_state(ckpt)
         start = int(state["step"])
         run.sampler.load_state_dict(state["sampler"])
         run.failures_total = state.get("reward_failures", run.failures_total)
@@ -230,7 +230,7 @@ class Trainer:
             "policy_version": step,
             **self.source.state(),
         }
-        path = checkpointing.save(
+        path = run_checkpoint.save(
             run.run_dir,
             step,
             run.learner,

@@ -23,7 +23,7 @@ from megarl.learner.factory import build_learner
 from megarl.plugin.context import RunContext
 from megarl.rewards.compute import RewardComputer
 from megarl.rundir import INIT_POLICY
-from megarl.trainer import checkpointing
+from megarl.trainer import run_checkpoint
 from megarl.trainer.config import (
     ConfigError,
     TrainConfig,
@@ -86,7 +86,9 @@ class Run:
         when neither exists (collective)."""
         from megarl.trainer.warmup import run_warmup
 
-        ckpt = checkpointing.latest_checkpoint(self.run_dir) if self.cfg.checkpoint.resume == "auto" else None
+        ckpt = (
+            run_checkpoint.latest_checkpoint(self.run_dir) if self.cfg.checkpoint.resume == "auto" else None
+        )
         init_dir = self.run_dir / INIT_POLICY
         if ckpt is None and not init_dir.is_dir():
             run_warmup(self, init_dir)

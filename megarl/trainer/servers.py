@@ -25,7 +25,7 @@ def launch_vllm_for_run(
     ``max_position_embeddings`` bounds the server's context). The server is stopped at exit
     (``atexit`` in the launcher) or by ``server.stop()``.
     """
-    from megarl.rollout.launcher import VLLMServerConfig, default_vllm_python, launch_vllm
+    from megarl.rollout.server_process import VLLMServerConfig, default_vllm_python, launch_vllm
 
     r = cfg.rollout
     _name_architecture(Path(model_dir))

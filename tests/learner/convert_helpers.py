@@ -4,7 +4,7 @@ torchrun), so several conversions share one start-up.
 
 Steps:
 - ``run-ckpt HF_DIR RUN_DIR REF_DIR OUT_DIR``: one process. Train a learner one step from HF_DIR,
-  save a real run checkpoint (megarl.trainer.checkpointing.save: learner with Adam state +
+  save a real run checkpoint (megarl.trainer.run_checkpoint.save: learner with Adam state +
   trainer.json) and an init_policy/ copy of HF_DIR, export the trained weights to REF_DIR, then
   run ``megarl convert megatron-to-hf`` on the step directory into OUT_DIR, and again on the run
   directory with --overwrite. Prints ``RESULT {json}``.
@@ -67,11 +67,11 @@ class _NLL:
 
 def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
     from megarl.batch import PackedBatch
-    from megarl.convert.cli import main as convert
+    from megarl.convert.convert_cli import main as convert
     from megarl.convert.hf_megatron import save_hf_checkpoint
     from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
     from megarl.learner.parallel import ParallelLayout, initialize_parallel
-    from megarl.trainer import checkpointing
+    from megarl.trainer import run_checkpoint
 
     groups = initialize_parallel(ParallelLayout())
     ln = Learner(LearnerConfig(hf_config=hf_dir, optim=OptimConfig(lr=1e-2)), groups)
@@ -92,7 +92,7 @@ def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
     ).validate()
     ln.train_step(batch, _NLL())
     shutil.copytree(hf_dir, Path(run_dir) / "init_policy")
-    step_dir = checkpointing.save(run_dir, 1, ln, {"sampler": {}}, keep_last=2)
+    step_dir = run_checkpoint.save(run_dir, 1, ln, {"sampler": {}}, keep_last=2)
     save_hf_checkpoint(ln.model, groups, ref_dir, hf_config=ln.hf_config)
     rc_step = convert(["megatron-to-hf", "--ckpt", str(step_dir), "--out", out_dir])
     rc_refuse = convert(["megatron-to-hf", "--ckpt", run_dir, "--out", out_dir])
@@ -101,7 +101,7 @@ def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
 
 
 def _convert_many(argv: list[str]) -> dict:
-    from megarl.convert.cli import main as convert
+    from megarl.convert.convert_cli import main as convert
 
     lists, cur = [], []
     for a in argv:

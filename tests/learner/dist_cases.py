@@ -335,7 +335,7 @@ def case_invariance(args, moe: bool, layout_name: str, num_micro: int = 2) -> di
 
 def case_checkpoint(args, moe: bool, layout_name: str, load_layout: str | None = None) -> dict:
     """save -> load -> one more step equals the uninterrupted run; load under ``load_layout``."""
-    from megarl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from megarl.learner.dist_checkpoint import load_checkpoint, save_checkpoint
 
     _, d = make_hf_model(moe, args.workdir)
     batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
@@ -664,7 +664,7 @@ def case_checkpoint_exact(args, variant: str, layout_name: str, load_layout: str
     """After save -> load every parameter equals the saved one bit for bit (loaded in the same layout
     and in ``load_layout``); one more step then equals the uninterrupted run (bit-exact in the same
     layout, within PARAM_TOL after resharding)."""
-    from megarl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from megarl.learner.dist_checkpoint import load_checkpoint, save_checkpoint
 
     _, d = make_variant_hf(variant, args.workdir)
     batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
@@ -717,7 +717,7 @@ def case_checkpoint_refused(args, variant: str, layout_name: str, load_layout: s
     without the distributed optimizer."""
     import json as _json
 
-    from megarl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from megarl.learner.dist_checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     _, d = make_variant_hf(variant, args.workdir)
     batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))

@@ -20,7 +20,7 @@ sys.path.insert(0, HERE)
 def main(workdir: str, saves: int = 3) -> None:
     import dist_cases as dc
 
-    from megarl.learner.checkpoint import load_checkpoint, save_checkpoint
+    from megarl.learner.dist_checkpoint import load_checkpoint, save_checkpoint
     from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
     from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel
 

@@ -198,7 +198,7 @@ def test_missing_path_exits_2_without_traceback(tmp_path):
 )
 def test_bad_input_exit_2(tiny, tmp_path, capsys, case):
     """Checked before any process group starts: exit 2, a message naming the path or value."""
-    from megarl.convert.cli import main
+    from megarl.convert.convert_cli import main
 
     empty = tmp_path / "empty"
     empty.mkdir()

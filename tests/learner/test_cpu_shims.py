@@ -15,7 +15,7 @@ _PROBE = r"""
 import json, sys, torch
 torch.cuda.is_available = lambda: True
 import megarl.learner, megarl.learner.parallel, megarl.learner.model, megarl.learner.forward
-import megarl.learner.learner, megarl.learner.checkpoint, megarl.convert.hf_megatron, megarl.convert.plan
+import megarl.learner.learner, megarl.learner.dist_checkpoint, megarl.convert.hf_megatron, megarl.convert.plan
 from megarl.learner.parallel import use_cuda
 print(json.dumps({"use_cuda": use_cuda(),
                   "modules": sorted(m for m in sys.modules if m.startswith("megarl.learner"))}))

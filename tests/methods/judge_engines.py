@@ -14,8 +14,8 @@ import asyncio
 from collections.abc import Callable
 
 from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.testing_models import find_tiny_qwen3_fixture
 from megarl.rollout.types import EngineDeadError, GenerateResult, Sample
+from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
 
 
 class TinyTokenizer:
@@ -74,7 +74,7 @@ class ScriptedJudgeEngine(RolloutEngine):
 
 def tiny_embedded_judge(tmp_path):
     from megarl.rollout.embedded import EmbeddedEngine
-    from megarl.rollout.testing_models import build_tiny_qwen3
+    from megarl.testing.tiny_qwen3 import build_tiny_qwen3
 
     path = build_tiny_qwen3(tmp_path / "judge", seed=0, dtype="float32")
     return EmbeddedEngine.from_pretrained(path)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.rollout.testing_models import find_tiny_qwen3_fixture
+from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 VOCAB = 1024  # the fixture tokenizer's vocabulary

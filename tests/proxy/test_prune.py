@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from megarl.proxy import cluster
-from megarl.proxy.moe_checkpoint import ProxyInputError
+from megarl.proxy.hf_expert_files import ProxyInputError
 from megarl.proxy.prune import REPORT_NAME, prune_moe_checkpoint
 from tests.proxy.helpers import CALIB_TEXTS, build_tiny_moe, dir_digest, write_calib
 
@@ -409,7 +409,7 @@ def test_clamp_topk_records_warning(work):
 # ----------------------------------------------------------------------------- CLI
 def test_cli_prune_and_errors(work, capsys, monkeypatch):
     from megarl import cli
-    from megarl.proxy import cli as proxy_cli
+    from megarl.proxy import proxy_cli
 
     out = work["root"] / "cli2"
     rc = cli.main(

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout.launcher import VLLMServerConfig, launch_vllm
-from megarl.rollout.testing_models import build_tiny_qwen3
+from megarl.rollout.server_process import VLLMServerConfig, launch_vllm
+from megarl.testing.tiny_qwen3 import build_tiny_qwen3
 from tests.vllm_venv import require_vllm_python
 
 PROMPT = [586, 28, 594, 289, 370, 13, 20, 33, 201, 591, 28]  # "user: What is 2+2?\nassistant:"

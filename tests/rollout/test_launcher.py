@@ -10,7 +10,13 @@ import pytest
 
 from megarl.rollout.auth_proxy import AuthProxy
 from megarl.rollout.keys import RolloutKeys
-from megarl.rollout.launcher import ServerLaunchError, VLLMServer, VLLMServerConfig, free_port, launch_vllm
+from megarl.rollout.server_process import (
+    ServerLaunchError,
+    VLLMServer,
+    VLLMServerConfig,
+    free_port,
+    launch_vllm,
+)
 
 
 def test_server_that_exits_gives_its_log_tail(tiny_models, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megarl.rollout.embedded import teacher_forced_logprobs
-from megarl.rollout.launcher import SGLangServerConfig, launch_sglang
+from megarl.rollout.server_process import SGLangServerConfig, launch_sglang
 from megarl.rollout.types import AuthError, BadRequestError, SamplingParams, WeightsDirError
 from tests.rollout.conftest import PROMPT
 from tests.rollout.hf_reference import hf_greedy, load_hf

@@ -1,5 +1,5 @@
 """The SGLang client against every recorded SGLang 0.5.23 exchange (shared/fixtures), replayed by
-the stand-in server in megarl/rollout/testing_replay.py, including the error cases and the crash.
+the stand-in server in megarl/testing/replay_server.py, including the error cases and the crash.
 tests/rollout/gpu_sglang.sh runs the live part of these checks against a real SGLang on a GPU."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from megarl.rollout.keys import RolloutKeys
 from megarl.rollout.sglang_client import SGLangEngine
-from megarl.rollout.testing_models import find_tiny_qwen3_fixture
-from megarl.rollout.testing_replay import SGLANG_ADMIN_ROUTES, ReplayServer
 from megarl.rollout.types import AuthError, BadRequestError, EngineDeadError, SamplingParams, WeightsDirError
+from megarl.testing.replay_server import SGLANG_ADMIN_ROUTES, ReplayServer
+from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
 from tests.rollout.conftest import PROMPT
 from tests.rollout.hf_reference import hf_greedy
 

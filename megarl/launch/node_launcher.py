@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megarl.launch.checkpoint import find_latest
+from megarl.launch.checkpoint_dirs import find_latest
 from megarl.launch.layout import Layout, LayoutError, check_layout
 from megarl.launch.processes import Child, spawn, terminate_all, wait_all
 from megarl.launch.rendezvous import Rendezvous, RendezvousTimeout, RolloutNodeDied

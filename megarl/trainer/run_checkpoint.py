@@ -1,4 +1,4 @@
-"""Run-directory checkpoints: learner state (megarl.learner.checkpoint) + trainer state, atomically.
+"""Run-directory checkpoints: learner state (megarl.learner.dist_checkpoint) + trainer state, atomically.
 
 Layout::
 
@@ -77,7 +77,7 @@ def save(
     with torch.save next to the trainer state (identical on every rank: rank 0 writes it).
     ``method_state``: the rest of the method state (estimator state, round processors, step
     hooks), rank 0's view."""
-    from megarl.learner.checkpoint import save_checkpoint
+    from megarl.learner.dist_checkpoint import save_checkpoint
 
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"
@@ -111,7 +111,7 @@ def save(
 
 def load(ckpt: Path, learner) -> dict:
     """Load the learner (collective) and return the trainer state (RNG restored)."""
-    from megarl.learner.checkpoint import load_checkpoint
+    from megarl.learner.dist_checkpoint import load_checkpoint
 
     load_checkpoint(learner, ckpt / "learner")
     with open(ckpt / TRAINER_STATE) as f:
