@@ -1,5 +1,5 @@
 # The two commands of README.md:
-#   make quickstart   set up, then run the CPU RL job that visibly learns (trainer issue)
+#   make quickstart   set up, then run the CPU RL job that visibly learns (docs/quickstart.md)
 #   make test         set up, then run the whole test suite (what .ci/run calls)
 # make lint (run by .ci/run before the tests): ruff check, ruff format --check, pyright (basic, on the
 # paths in [tool.pyright]) and lint-imports (the contracts in [tool.importlinter]). Every check runs;

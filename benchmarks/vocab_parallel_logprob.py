@@ -7,7 +7,7 @@ Each variant runs in a fresh process; "extra" = peak RSS during the op minus RSS
 exist, so the logits themselves are not counted. Prints ratios against the naive baseline.
 
     python benchmarks/vocab_parallel_logprob.py [--tokens 8192] [--vocab 151936]
-Targets (issue 2): extra memory <= 1/4 of naive, time <= 1.5x naive.
+Targets: extra memory <= 1/4 of naive, time <= 1.5x naive.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Critic-free advantages and token/segment/step credit (method family 2).
 
 Plain loops over groups, sequences and steps, written for reading. Per-sequence inputs are [B];
-per-token inputs are padded [B, L] with a 0/1 ``mask``. Specs: ../shared/specs/methods-a.md
-(SoftmaxGRPO §13, GEPO §20, TACO §21, DASH §27) and methods-b.md (PGPO §1); GiGPO from its paper.
+per-token inputs are padded [B, L] with a 0/1 ``mask``. SoftmaxGRPO, GEPO and PGPO are reconstructed
+from their abstracts, TACO follows its authors' code, DASH its paper (arXiv 2607.00482), GiGPO its
+paper (arXiv 2505.10978); each function states its provenance.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def softmax_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, temperature: fl
     Σ_group A = 0, A ∈ [−1, G−1]; a group with equal rewards gets exactly 0.
     τ → 0 on binary rewards gives MaxRL (G/k − 1 on the k successes, −1 on failures);
     τ → ∞ gives τ·A → R − mean R (Dr.GRPO).
-    Provenance: RECONSTRUCTED (methods-a.md §13) from the SoftmaxGRPO abstract and MaxRL
+    Provenance: RECONSTRUCTED from the SoftmaxGRPO abstract and MaxRL
     (arXiv 2602.02710); the authors' formula was not available.
     rewards, group_ids: [B] -> [B]
     """
@@ -45,7 +46,7 @@ def taco_weights(
     r_tail = −ℓ − H + log α;   w = 1 if r_tail ≤ 0 else 1 − λ(1 − exp(−r_tail))     (w ∈ [1−λ, 1])
     ℓ, H: current-policy log-prob and full-vocabulary entropy, both detached.
     Provenance: CODE, xiuyilou/TACO verl/trainer/ppo/core_algos.py::compute_taco_token_advantages
-    (as described in methods-a.md §21); defaults α = 0.01 (TACO_ALPHA), λ = 0.9 (TACO_LAMBDA).
+    (as in the authors' code (xiuyilou/TACO)); defaults α = 0.01 (TACO_ALPHA), λ = 0.9 (TACO_LAMBDA).
     """
     out = torch.ones_like(logp)
     for idx in range(logp.numel()):
@@ -95,7 +96,7 @@ def gepo(
     The thresholds use the history *before* this batch; with no history yet (None) they use this
     batch's group entropies. Then the EMA takes this batch: μ ← βμ + (1−β)·mean_g H_g (same for H²).
     σ_H = sqrt(max(E[H²] − μ², 0)) + eps.
-    Provenance: RECONSTRUCTED (methods-a.md §20) from the GEPO abstract; the thresholds, the EMA and
+    Provenance: RECONSTRUCTED from the GEPO abstract; the thresholds, the EMA and
     the exponential attenuation are the spec's design, not the authors' formula.
     Returns (advantages [B], new hist_mean, new hist_sq).
     """
@@ -138,7 +139,7 @@ def dash(
     With c_0 = 0 and d_k = c_k − c_{k−1}:
         A_t = A_i^GRPO + β(2c_k − 1) + β'·d_k       for t in S_k
     A trace with no checkpoint keeps A_i^GRPO on every token.
-    Provenance: PAPER caption + RECONSTRUCTION (methods-a.md §27; arXiv 2607.00482 Fig. 1): the
+    Provenance: PAPER caption + RECONSTRUCTION (arXiv 2607.00482, Fig. 1): the
     segment signs come from the caption, the drift term β'd_k and the additive form are the spec's.
     mask: [B, L]; checkpoints: per sequence a list of (end position in the sequence, correct 0/1).
     """
@@ -233,7 +234,7 @@ def pgpo(
     is already in r);  A_{i,t} = A^E_i + ω·norm(A^S_{i,t}), norm = z-score over all steps of the
     group (normalise=False: raw A^S). A^E_i = GRPO advantage of R_i.
     With no state shared across trajectories Φ(s_{i,t}) = G_{i,t}, every A^S is 0 and PGPO = GRPO.
-    Provenance: RECONSTRUCTED (methods-b.md §1) on GiGPO's anchor-state grouping; the authors'
+    Provenance: RECONSTRUCTED from the PGPO abstract on GiGPO's anchor-state grouping; the authors'
     formula was not available.
     """
     ep = grpo(rewards, group_ids, eps=eps)

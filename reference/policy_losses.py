@@ -82,7 +82,8 @@ def dppo_tv(
     p = exp(logp), p_old = exp(old_logp)
     valid = (p - p_old <= δ_high) if A > 0 else (p - p_old >= -δ_low)
     ℓ = -A · r · sg(valid)
-    Provenance: authors' code (QPHutu/golden_critic, core_algos 'dppo_tv'); see shared spec BPCO.
+    Provenance: authors' code (QPHutu/golden_critic, core_algos 'dppo_tv'), the code of BPCO
+    (Best-Practice Critic Optimization).
     """
     p, p_old = torch.exp(logp), torch.exp(old_logp)
     valid = torch.where(adv > 0, p - p_old <= delta_high, p - p_old >= -delta_low).to(logp.dtype)

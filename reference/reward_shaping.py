@@ -1,7 +1,8 @@
 """Reward shaping and aggregation (method family 2), plain loops for reading.
 
-Specs: ../shared/specs/methods-a.md (RSPO §26, reward floor §28, AMRP §3) and methods-b.md
-(Rubric Dropout §11). Per-sequence inputs are [B] or [B, K].
+RSPO, AMRP, Rubric Dropout, CEDAR-GRPO, CARE and RRPO are reconstructed from their abstracts; the
+reward floor from its paper (arXiv 2606.27291); each function states its provenance. Per-sequence
+inputs are [B] or [B, K].
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def rspo(
     A = base(R^proc) (the dense reward is swapped in only where the outcome carries no signal).
     Reading B: A = base(R^out) for every group (process rewards only choose which trajectories a
     group keeps: ``rspo_keep``).
-    Provenance: RECONSTRUCTED (methods-a.md §26), both readings of the abstract; the swap rule of
+    Provenance: RECONSTRUCTED from the RSPO abstract, both readings of the abstract; the swap rule of
     the paper is uncertain. outcome, process, group_ids: [B] -> [B]
     """
     fn = BASES[base]
@@ -87,7 +88,7 @@ def reward_floor(
     copy(y, s) = 1[ngram_precision_n(words(y), words(s)) ≥ θ];  R(y) = r_floor if copy else R_J(y)
     words: lower-cased whitespace split.
     Provenance: PAPER abstract (arXiv 2606.27291, LinkedIn: a deterministic rule-based floor for
-    verbatim copying fixes judge reward hacking) + RECONSTRUCTED detector (methods-a.md §28).
+    verbatim copying fixes judge reward hacking) + RECONSTRUCTED detector (arXiv 2606.27291).
     """
     out = rewards.clone()
     for i in range(len(responses)):
@@ -122,7 +123,7 @@ def amrp_step(
     z_k = s_k(1 + a·v_k + b·q_k);   w ← floor((1−η)w + η·softmax(z/τ), w_min)
     R_i = Σ_k w_k r̃_{i,k},  r̃ min-max (or z) normalised over the batch per dimension (constant → 0)
     floor: entries below w_min are set to w_min and the others rescaled to keep Σw = 1, repeated.
-    EMAs start at the first value. Provenance: RECONSTRUCTED (methods-a.md §3) from the AMRP abstract
+    EMAs start at the first value. Provenance: RECONSTRUCTED from the AMRP abstract
     (shortfall, volatility, progress); constants are the spec's defaults, g_0 is ours.
     state: {} at the start; rewards: [B, K] -> (R [B], new state)
     """
@@ -221,8 +222,8 @@ def rubric_dropout(
 
     R_i = Σ_k M_k w_k s_k(y_i) / Σ_k M_k w_k⁺    (w⁺: positive weights; negative-weight "pitfall"
     criteria are never dropped with keep_pitfalls); evaluation (train=False) uses M ≡ 1.
-    Provenance: ABSTRACT + RECONSTRUCTED details (methods-b.md §11): per-(prompt, step) Bernoulli mask
-    shared within the group, force-keep one, p ∈ {0.3, 0.5}.
+    Provenance: ABSTRACT + RECONSTRUCTED details from the Rubric Dropout abstract: per-(prompt, step)
+    Bernoulli mask shared within the group, force-keep one, p ∈ {0.3, 0.5}.
     scores, weights: [B, K], valid: [B, K] bool (criteria of each prompt), prompt_uids: [B] -> R [B]
     """
     R = torch.zeros(scores.shape[0], dtype=torch.float64)
@@ -258,7 +259,7 @@ def cedar_reward(
 
     R = a + g(a)·(λ_c·(1/m)Σ_j covered(e_j, y) + λ_d·d(y)),   coverage 0 when there is no evidence item
     g = 1 (gate none), a (correct_only), 1 if a else wrong_weight (reduced); d clipped to [0, 1].
-    Provenance: RECONSTRUCTED (methods-b.md §9) from the abstract (correctness plus abductive process
+    Provenance: RECONSTRUCTED from the CEDAR-GRPO abstract (correctness plus abductive process
     rewards for evidence coverage and directionality); weights and gating are design choices.
     """
     out = []
@@ -280,7 +281,7 @@ def rrpo_supcon_loss(pos: torch.Tensor, neg: torch.Tensor, tau: float = 0.1) -> 
 
     For each positive anchor z ∈ P:  ℓ_z = −log[ Σ_{p∈P∖z} e^{sim(z,p)/τ} / Σ_{a∈(P∪N)∖z} e^{sim(z,a)/τ} ]
     L = mean_z ℓ_z, sim = cosine. Needs |P| >= 2.
-    Provenance: RECONSTRUCTED (methods-a.md §19): SupCon-style set-contrastive objective; the
+    Provenance: RECONSTRUCTED from the RRPO abstract: SupCon-style set-contrastive objective; the
     abstract names a set-contrastive objective against positive/negative anchor sets.
     pos: [P, d], neg: [N, d] (already projected by f_φ) -> scalar
     """
@@ -318,7 +319,7 @@ def rrpo_advantages(
 # ------------------------------------------------------------------------------------------ CARE
 def care_reward(scores: torch.Tensor, weights: list[float]) -> torch.Tensor:
     """R(y) = Σ_k w_k s_k(y) / Σ_k w_k  (scores [B, K] in [0, 1], weights >= 0) -> [B].
-    Provenance: RECONSTRUCTED (methods-b.md §2)."""
+    Provenance: RECONSTRUCTED from the CARE abstract."""
     tot = sum(weights)
     return torch.tensor(
         [sum(w * float(s[k]) for k, w in enumerate(weights)) / tot if tot > 0 else 0.0 for s in scores],
@@ -330,7 +331,7 @@ def care_trigger(r_best: float, r_anchor: float, pref_anchor: float) -> str:
     """Which branch evolves the rubric: ``adaptive`` when the rubric rates the best rollout at least as
     high as the anchor but the holistic judge prefers the anchor (Δ ≥ 0, P(y*≻y⁺) > 0.5: the rubric is
     hacked); ``chase`` when the best rollout still scores below the anchor (Δ < 0); else ``none``.
-    Provenance: RECONSTRUCTED (methods-b.md §2) from the abstract's Adaptive and Chase branches."""
+    Provenance: RECONSTRUCTED from the CARE abstract's Adaptive and Chase branches."""
     delta = r_best - r_anchor
     if delta >= 0 and pref_anchor > 0.5:
         return "adaptive"

@@ -5,8 +5,8 @@ returns per-token losses [B, L] (masked by the caller's aggregation) unless it s
 Notation: logp = log π_θ(y_t), old_logp = log π_old(y_t), A = advantage, r = exp(logp − old_logp).
 
 Provenance: all six papers were available as abstracts only. Each formula below is tagged
-[RECON] where it is our reconstruction from the abstract (../shared/specs/methods-a.md and
-methods-b.md give the reasoning); constants are knobs with the spec's defaults.
+[RECON] where it is our reconstruction from the abstract; constants are knobs whose defaults are
+our reconstruction's choices (docs/methods/<method>.md gives the reasoning).
 """
 
 import math
@@ -30,7 +30,7 @@ def output_reset(
     loss = ½ · w · e²,   w = |A|^p for A ≠ 0, w = 0 for A = 0
     ∂loss/∂ℓ = −w·s·e: linear in the residual, 0 at and past the margin (C¹, unlike PPO-clip).
     PPO-OR uses GAE advantages, GRPO-OR group-relative ones; the loss is the same.
-    Provenance: [RECON] from the abstract's definitions (spec methods-b §25); p and m are not
+    Provenance: [RECON] from the definitions in the Output Reset abstract; p and m are not
     given there: p = 1 (advantage magnitude kept), m = log(1 + 0.2) to match PPO's clip range.
     logp, old_logp, adv: [B, L] -> [B, L]
     """
@@ -59,7 +59,7 @@ def cokl(
     Population [ABSTRACT]: π(y|x,C) = π(y|x)·1[y∈C] / π(C|x);
         R = KL(π_ref(·|x,C) ‖ π_θ(·|x,C)); the log π_θ(C) term cancels any uniform rescaling of the
         correct mass, so only how probability is spread over correct solutions is anchored.
-    Finite group [RECON, spec methods-b §19 option A, support-restricted]:
+    Finite group [RECON from the CoKL abstract, option A, support-restricted]:
         S_g = correct responses of group g with at least one loss token, duplicates (same response
               tokens) kept once; groups with |S_g| < 2 contribute 0
         z_i = s_i / τ,   s_i = Σ_t m·logp  (÷ n_i when length_normalise)
@@ -110,7 +110,7 @@ def gapo_clip_bounds(
     ā     = mean of a_i over the sequences with loss tokens (the whole batch)
     ε_h,i = clip(ε_h · (a_i/ā)^κ, ε_min, ε_max);  ε_l,i likewise (or ε_l when adapt_low is False)
     (a_i/ā)^κ := 1 when ā = 0.
-    Provenance: [RECON] spec methods-a §2 (the abstract keeps the PPO/GSPO surrogate and adapts only
+    Provenance: [RECON] from the GAPO abstract (it keeps the PPO/GSPO surrogate and adapts only
     the clip threshold, motivated by a reverse-KL trust region; related: ETR, arXiv 2601.03723).
     adv, mask: [B, L] -> (ε_l [B], ε_h [B])
     """
@@ -144,7 +144,7 @@ def gapo(
     ppo:  ℓ = max(−r A, −clip(r, 1−ε_l,i, 1+ε_h,i) A)   (dual clip for A < 0 as in ppo_clip)
     gspo: the same on s_i = exp(mean_t m(logp − old_logp)), on every token of sequence i
     κ = 0 gives fixed-clip PPO/GSPO exactly (when ε_l, ε_h lie in [ε_min, ε_max]).
-    Provenance: [RECON] spec methods-a §2. logp, old_logp, adv, mask: [B, L] -> [B, L]
+    Provenance: [RECON] from the GAPO abstract. logp, old_logp, adv, mask: [B, L] -> [B, L]
     """
     lo, hi = gapo_clip_bounds(adv, mask, clip_low, clip_high, kappa, eps_min, eps_max, adapt_low)
     lo, hi = lo[:, None], hi[:, None]
@@ -177,7 +177,7 @@ def estr(
     keep = 1[|δ| ≤ ε·s(H)]          (= |δ/s(H)| ≤ ε, the entropy-scaled deviation)
     ℓ    = −keep · sg(min(e^δ, C)) · A · logp
     H is the current policy's full-vocabulary entropy (training forward), used as a statistic (no
-    gradient). Provenance: [RECON] spec methods-b §23 (the abstract: the deviation is scaled by the
+    gradient). Provenance: [RECON] from the ESTR abstract (the abstract: the deviation is scaled by the
     local entropy before thresholding, no extra forward, no version-switch detection).
     logp, behav_logp, entropy, adv: [B, L] -> [B, L]
     """
@@ -203,8 +203,8 @@ def sao_clip(
     ℓ    = −sg(keep) · r · A
     Unlike PPO-clip (which keeps the gradient on the pessimistic side, e.g. r > 1+ε with A < 0),
     every out-of-band token gets exactly zero gradient. A comes from a value baseline (A = R − V,
-    one rollout per prompt); the critic is another family's. Provenance: [RECON] spec methods-a §23
-    and methods-b §29 (the abstract names "strict double-sided token-level clipping").
+    one rollout per prompt); the critic is another family's. Provenance: [RECON] from the SAO abstract
+    (it names "strict double-sided token-level clipping").
     logp, behav_logp, adv: [B, L] -> [B, L]
     """
     r = torch.exp(logp - behav_logp)
@@ -229,7 +229,7 @@ def eppo_update(
     H⁰_k  = the task's first μ_k (for h_ref = "initial")
     Tasks without tokens in the batch keep their statistics; task id −1 means "no task".
     ema, seen, initial: [K]; task_ids: [B]; entropy, mask: [B, L] -> new (ema, seen, initial)
-    Provenance: [RECON] spec methods-a §24 (EMA momentum 0.9).
+    Provenance: [RECON] from the EPPO abstract (EMA momentum 0.9).
     """
     ema, seen, initial = ema.clone(), seen.clone(), initial.clone()
     m = mask.to(torch.float64)
@@ -260,7 +260,7 @@ def eppo_task_scales(
     H_ref = mean of H̄ over the tasks seen so far (h_ref = "mean") or the task's first batch
     entropy H⁰_k ("initial"). Unseen tasks, or H_ref ≤ 0, get 1 (the base ε).
     Over-confident (low-entropy) tasks get tighter bounds, under-explored ones looser.
-    Provenance: [RECON] spec methods-a §24 (κ = 1, [c_min, c_max] = [0.5, 2]).
+    Provenance: [RECON] from the EPPO abstract (κ = 1, [c_min, c_max] = [0.5, 2]).
     [K] -> [K]
     """
     ref = initial if h_ref == "initial" else torch.full_like(ema, ema[seen].mean() if seen.any() else 0.0)
@@ -284,7 +284,7 @@ def eppo(
 
     c_k from eppo_task_scales after this step's eppo_update; samples without a task (id −1) use
     the base ε. ε_l is fixed when adapt_low is False.
-    Provenance: [RECON] spec methods-a §24. logp, old_logp, adv: [B, L]; task_ids: [B] -> [B, L]
+    Provenance: [RECON] from the EPPO abstract. logp, old_logp, adv: [B, L]; task_ids: [B] -> [B, L]
     """
     c = torch.where(task_ids >= 0, task_scales[task_ids.clamp(min=0)], torch.ones_like(task_scales[:1]))
     c = c.to(logp.dtype)[:, None]

@@ -154,7 +154,7 @@ def learner_command(args: argparse.Namespace) -> list[str]:
         )
     if importlib.util.find_spec("megarl.cli") is None:
         raise LayoutError(
-            "megarl.cli is not available in this installation (the trainer, issue 6), so the default "
+            "megarl.cli is not available in this installation, so the default "
             "learner command cannot run; pass a learner command after --"
         )
     return [sys.executable, "-m", "megarl.cli", "train", args.train_config]

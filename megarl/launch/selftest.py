@@ -5,7 +5,7 @@ server handed over by the launcher who it is, then trains a tiny MLP for a few s
 all_reduce), saving an atomic checkpoint every step and resuming from the newest one. SIGUSR1 / SIGTERM make
 every rank stop after the next checkpoint (the ranks agree on the step with an all_reduce of the stop flag).
 
-It stands in for ``megarl train`` (issue 6) until that exists; it is not a stand-in for any library.
+It checks a new cluster's launch path without a model; it is not a stand-in for any library.
 """
 
 from __future__ import annotations

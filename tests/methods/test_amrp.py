@@ -1,5 +1,5 @@
-"""AMRP: the packed, DP-aware shaper equals reference/reward_shaping.py step by step; spec invariants
-(methods-a.md §3): simplex with floor, uniform under identical statistics, η = 0 freezes, saturated
+"""AMRP: the packed, DP-aware shaper equals reference/reward_shaping.py step by step; the method's
+invariants: simplex with floor, uniform under identical statistics, η = 0 freezes, saturated
 dimension -> w_min, permutation equivariance, no gradient, DP=2 equals DP=1, checkpoint round trip."""
 
 import pytest

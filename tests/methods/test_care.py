@@ -1,6 +1,5 @@
 """CARE: rubric reward, trigger and pruning equal reference/reward_shaping.py; rubric evolution through
-judge/evolver LLM calls on the rollout engine interface (scripted stand-in judge); spec invariants
-(methods-b.md §2)."""
+judge/evolver LLM calls on the rollout engine interface (scripted stand-in judge); the method's invariants."""
 
 import asyncio
 

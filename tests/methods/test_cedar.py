@@ -1,5 +1,6 @@
-"""CEDAR-GRPO: composite reward equals reference/reward_shaping.py; spec invariants (methods-b.md §9);
-judge plumbing through the rollout engine interface with timeout and malformed-output containment."""
+"""CEDAR-GRPO: composite reward equals reference/reward_shaping.py; the method's
+invariants; judge plumbing through the rollout engine interface with timeout and malformed-output
+containment."""
 
 import pytest
 import torch

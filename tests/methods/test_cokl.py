@@ -1,6 +1,6 @@
 """CoKL: megarl (prepared group weights, micro-batched, TP 1/2, DP 1/2) equals
 reference/trust_regions.py:cokl (loss and gradient) when the old log-probs are the current policy's,
-is its first-order expansion otherwise, and satisfies the spec's invariants (methods-b §19)."""
+is its first-order expansion otherwise, and satisfies the method's invariants."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""DASH: packed segment credit equals reference/credit.py; spec invariants (methods-a.md §27)."""
+"""DASH: packed segment credit equals reference/credit.py; the method's invariants."""
 
 import torch
 from hypothesis import given, settings

@@ -1,7 +1,7 @@
 """EPPO: megarl (stateful per-task entropy EMA, prepared on every DP rank) equals
 reference/trust_regions.py:eppo_update/eppo_task_scales/eppo over several steps (loss, gradient and
-state; TP 1/2, DP 1/2, micro-batches), survives checkpoint/resume, and satisfies the spec's
-invariants (methods-a §24)."""
+state; TP 1/2, DP 1/2, micro-batches), survives checkpoint/resume, and satisfies the method's
+invariants."""
 
 import dataclasses
 import io

@@ -1,6 +1,6 @@
 """ESTR: megarl (entropy from the vocab-parallel training forward) equals
-reference/trust_regions.py:estr (loss and gradient, TP 1/2, DP 1/2, micro-batches) and the spec's
-invariants (methods-b §23)."""
+reference/trust_regions.py:estr (loss and gradient, TP 1/2, DP 1/2, micro-batches) and the method's
+invariants."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """GAPO: megarl equals reference/trust_regions.py:gapo (loss and gradient, TP 1/2, DP 1/2,
-micro-batches, PPO and GSPO surrogates) and the spec's invariants (methods-a §2)."""
+micro-batches, PPO and GSPO surrogates) and the method's invariants."""
 
 import dataclasses
 

@@ -1,5 +1,5 @@
 """GEPO: packed estimator equals reference/credit.py (advantages and history update), with the
-entropy computed from vocab-parallel logits at TP=1 and TP=2; spec invariants (methods-a.md §20)."""
+entropy computed from vocab-parallel logits at TP=1 and TP=2; the method's invariants."""
 
 import copy
 

@@ -1,5 +1,5 @@
 """Output Reset (PPO-OR / GRPO-OR): megarl equals reference/trust_regions.py:output_reset (loss and
-gradient, TP 1/2, DP 1/2, micro-batches), and the spec's invariants (methods-b §25)."""
+gradient, TP 1/2, DP 1/2, micro-batches), and the method's invariants."""
 
 import math
 

@@ -1,5 +1,5 @@
-"""PGPO: packed potential-difference estimator equals reference/credit.py; spec invariants
-(methods-b.md §1): telescoping, GRPO when no state is shared, permutation invariance."""
+"""PGPO: packed potential-difference estimator equals reference/credit.py; the method's invariants:
+telescoping, GRPO when no state is shared, permutation invariance."""
 
 import torch
 from hypothesis import given, settings

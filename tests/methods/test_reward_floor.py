@@ -1,5 +1,5 @@
-"""Reward floor against verbatim copying: equals reference/reward_shaping.py; spec invariants
-(methods-a.md §28), including the GRPO-amplification demonstration."""
+"""Reward floor against verbatim copying: equals reference/reward_shaping.py; the method's
+invariants, including the GRPO-amplification demonstration."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """RRPO: set-contrastive head loss, anchor scores and group-centred advantages equal
-reference/reward_shaping.py; spec invariants (methods-a.md §19)."""
+reference/reward_shaping.py; the method's invariants."""
 
 import pytest
 import torch

@@ -1,5 +1,4 @@
-"""RSPO: packed estimator equals reference/reward_shaping.py in both readings; spec invariants
-(methods-a.md §26)."""
+"""RSPO: packed estimator equals reference/reward_shaping.py in both readings; the method's invariants."""
 
 import pytest
 import torch

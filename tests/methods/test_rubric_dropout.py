@@ -1,5 +1,5 @@
-"""Rubric Dropout: equals reference/reward_shaping.py; spec invariants (methods-b.md §11): mask shared
-within a group, keep fraction -> 1−p, p = 0 and evaluation use the full rubric, reward range."""
+"""Rubric Dropout: equals reference/reward_shaping.py; the method's invariants: mask
+shared within a group, keep fraction -> 1−p, p = 0 and evaluation use the full rubric, reward range."""
 
 import pytest
 import torch

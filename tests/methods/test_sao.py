@@ -1,5 +1,5 @@
 """SAO strict double-sided clipping: megarl equals reference/trust_regions.py:sao_clip (loss and
-gradient, TP 1/2, DP 1/2, micro-batches) and the spec's invariants (methods-a §23, methods-b §29)."""
+gradient, TP 1/2, DP 1/2, micro-batches) and the method's invariants."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""SoftmaxGRPO: packed estimator equals reference/credit.py; spec invariants (methods-a.md §13)."""
+"""SoftmaxGRPO: packed estimator equals reference/credit.py; the method's invariants."""
 
 import torch
 from hypothesis import given, settings

@@ -1,5 +1,5 @@
 """TACO: the ``taco`` policy loss equals the reference (loss and logits gradient, TP=1 and TP=2);
-spec invariants (methods-a.md §21)."""
+the invariants of the authors' code (xiuyilou/TACO)."""
 
 import dataclasses
 import math
