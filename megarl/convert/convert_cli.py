@@ -34,8 +34,8 @@ _H2M = """\
 Write the model weights of HF_DIR (config.json + *.safetensors) as a Megatron checkpoint: the
 "model" part of a learner checkpoint (same keys) plus megarl.json (step 0, layout, HF config,
 "contents": ["model"]). It holds NO optimizer, scheduler or RNG state: `megarl train` cannot resume
-from it (a run starts from the HF directory); load its weights with
-megarl.convert.megatron_ckpt.load_model_weights, or convert it back with megatron-to-hf."""
+from it (a run starts from the HF directory); megarl.learner.dist_checkpoint.load_checkpoint loads
+its weights into a learner with a fresh optimizer, or convert it back with megatron-to-hf."""
 
 _M2H = """\
 Write the model weights of a Megatron checkpoint as a HF model directory (config.json,

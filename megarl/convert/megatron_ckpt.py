@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.convert.paths import META_FILE
-
-MODEL_ONLY = ["model"]
+from megarl.learner.dist_checkpoint import MODEL_ONLY
 
 
 class MegatronCheckpointError(RuntimeError):

@@ -38,6 +38,7 @@ _OPT_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_
 _OPT_META_PREFIXED = {"distrib_optim_sharding_type": "fully_reshardable"}
 OPTIMIZER_FORMAT = 2  # megarl.json 'optimizer_format'; absent in checkpoints with prefixed keys
 META_FILE = "megarl.json"
+MODEL_ONLY = ["model"]  # megarl.json "contents" of a weights-only checkpoint (megarl convert)
 
 
 class CheckpointError(RuntimeError):
@@ -413,10 +414,26 @@ def _check_loadable(learner: Learner, meta: dict, ckpt_dir: str) -> dict:
     return _OPT_META_PREFIXED if prefixed else _OPT_META
 
 
+def _load_model_only(learner: Learner, ckpt_dir: str, meta: dict) -> dict:
+    """Load a weights-only checkpoint (``contents: ["model"]``, as ``megarl convert hf-to-megatron``
+    writes): the model's weights, then the optimizer's main parameters refreshed from them; optimizer
+    moments, scheduler and RNG stay as the fresh learner has them."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": learner.model.sharded_state_dict()}, ckpt_dir)
+    learner.model.load_state_dict(loaded["model"], strict=True)
+    learner.optimizer.reload_model_params()
+    learner.step = int(meta.get("step", 0))
+    meta["rng_restored"] = False
+    meta["optimizer_restored"] = False
+    return meta
+
+
 def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> dict:
     """Load model, optimizer, scheduler, step (and RNG when the world size matches) into ``learner``,
-    whatever layout the checkpoint was saved with (collective). Returns the checkpoint's metadata
-    plus ``rng_restored``."""
+    whatever layout the checkpoint was saved with (collective). A weights-only checkpoint
+    (``contents: ["model"]``) loads the weights into a fresh optimizer. Returns the checkpoint's
+    metadata plus ``rng_restored`` and ``optimizer_restored``."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir = os.fspath(ckpt_dir)
@@ -425,6 +442,8 @@ def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> dict:
         raise CheckpointError(f"{ckpt_dir}: not a complete megarl checkpoint (no {META_FILE})")
     with open(meta_path) as f:
         meta = json.load(f)
+    if meta.get("contents") == MODEL_ONLY:
+        return _load_model_only(learner, ckpt_dir, meta)
     opt_meta = _check_loadable(learner, meta, ckpt_dir)
     same_world = meta["world_size"] == dist.get_world_size()
     template = _sharded_state(learner, is_loading=True, opt_meta=opt_meta)
@@ -438,4 +457,5 @@ def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> dict:
     if same_world:
         _set_rng_state(loaded["rng"])
     meta["rng_restored"] = same_world
+    meta["optimizer_restored"] = True
     return meta

@@ -66,7 +66,6 @@ class _NLL:
 
 
 def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
-    from megarl.batch import PackedBatch
     from megarl.convert.convert_cli import main as convert
     from megarl.convert.hf_megatron import save_hf_checkpoint
     from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
@@ -76,21 +75,7 @@ def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
     groups = initialize_parallel(ParallelLayout())
     ln = Learner(LearnerConfig(hf_config=hf_dir, optim=OptimConfig(lr=1e-2)), groups)
     ln.load_hf(hf_dir)
-    g = torch.Generator().manual_seed(0)
-    lens = torch.tensor([7, 9])
-    cu = torch.zeros(3, dtype=torch.long)
-    cu[1:] = torch.cumsum(lens, 0)
-    mask = torch.ones(16)
-    mask[cu[:-1]] = 0.0  # the first token of a sequence has no logprob
-    batch = PackedBatch(
-        tokens=torch.randint(0, VOCAB, (16,), generator=g),
-        cu_seqlens=cu,
-        prompt_lens=torch.tensor([1, 1]),
-        loss_mask=mask,
-        group_ids=torch.tensor([0, 1]),
-        advantages=torch.zeros(16),
-    ).validate()
-    ln.train_step(batch, _NLL())
+    ln.train_step(_tiny_batch(), _NLL())
     shutil.copytree(hf_dir, Path(run_dir) / "init_policy")
     step_dir = run_checkpoint.save(run_dir, 1, ln, {"sampler": {}}, keep_last=2)
     save_hf_checkpoint(ln.model, groups, ref_dir, hf_config=ln.hf_config)
@@ -98,6 +83,52 @@ def _run_ckpt(hf_dir: str, run_dir: str, ref_dir: str, out_dir: str) -> dict:
     rc_refuse = convert(["megatron-to-hf", "--ckpt", run_dir, "--out", out_dir])
     rc_run = convert(["megatron-to-hf", "--ckpt", run_dir, "--out", out_dir, "--overwrite"])
     return {"rc_step": rc_step, "rc_refuse": rc_refuse, "rc_run": rc_run, "step_dir": str(step_dir)}
+
+
+def _model_only_load(hf_dir: str, ckpt_dir: str, out_a: str, out_b: str) -> dict:
+    """hf-to-megatron, then one train step from (a) a learner that loads the converted checkpoint with
+    load_checkpoint and (b) a learner that loads HF_DIR directly; both trained weights are exported.
+    bf16 parameters, so that the optimizer keeps its own fp32 main copy (in fp32 it works on views of
+    the parameters, and a stale copy could not show)."""
+    from megarl.convert.convert_cli import main as convert
+    from megarl.convert.hf_megatron import save_hf_checkpoint
+    from megarl.learner.dist_checkpoint import load_checkpoint
+    from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
+    from megarl.learner.parallel import ParallelLayout, initialize_parallel
+
+    rc = convert(["hf-to-megatron", "--hf", hf_dir, "--out", ckpt_dir])
+    groups = initialize_parallel(ParallelLayout())
+    metas = []
+    for out, load in ((out_a, "ckpt"), (out_b, "hf")):
+        torch.manual_seed(1 if load == "ckpt" else 2)  # different random init: the load must replace it
+        cfg = LearnerConfig(hf_config=hf_dir, optim=OptimConfig(lr=1e-2), params_dtype=torch.bfloat16)
+        ln = Learner(cfg, groups)
+        if load == "ckpt":
+            metas.append(load_checkpoint(ln, ckpt_dir))
+        else:
+            ln.load_hf(hf_dir)
+        ln.train_step(_tiny_batch(), _NLL())
+        save_hf_checkpoint(ln.model, groups, out, hf_config=ln.hf_config)
+    return {"rc": rc, "optimizer_restored": metas[0]["optimizer_restored"], "step": metas[0]["step"]}
+
+
+def _tiny_batch():
+    from megarl.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([7, 9])
+    cu = torch.zeros(3, dtype=torch.long)
+    cu[1:] = torch.cumsum(lens, 0)
+    mask = torch.ones(16)
+    mask[cu[:-1]] = 0.0  # the first token of a sequence has no logprob
+    return PackedBatch(
+        tokens=torch.randint(0, VOCAB, (16,), generator=g),
+        cu_seqlens=cu,
+        prompt_lens=torch.tensor([1, 1]),
+        loss_mask=mask,
+        group_ids=torch.tensor([0, 1]),
+        advantages=torch.zeros(16),
+    ).validate()
 
 
 def _convert_many(argv: list[str]) -> dict:
@@ -116,6 +147,11 @@ def _convert_many(argv: list[str]) -> dict:
 
 if __name__ == "__main__":
     step, rest = sys.argv[1], sys.argv[2:]
-    res = _run_ckpt(*rest) if step == "run-ckpt" else _convert_many(rest)
+    if step == "run-ckpt":
+        res = _run_ckpt(*rest)
+    elif step == "model-only-load":
+        res = _model_only_load(*rest)
+    else:
+        res = _convert_many(rest)
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(res), flush=True)

@@ -183,6 +183,20 @@ def test_run_checkpoint_to_hf(tiny, tmp_path):
     _no_temp_left(tmp_path)
 
 
+def test_weights_only_checkpoint_loads_into_a_fresh_optimizer(tiny, tmp_path):
+    """load_checkpoint on an hf-to-megatron output loads the weights and refreshes the optimizer's main
+    parameters: one train step after it equals one after load_hf bit for bit (a stale main copy from
+    the random init would be written back by the step)."""
+    a, b = tmp_path / "via_ckpt", tmp_path / "via_hf"
+    proc = _py(HERE / "convert_helpers.py", "model-only-load", tiny["dense"], tmp_path / "ckpt", a, b)
+    res = _result(proc)
+    assert res == {"rc": 0, "optimizer_restored": False, "step": 0}, proc.stderr[-2000:]
+    assert _assert_bit_exact(a, b) > 0
+    trained, start = read_hf_tensors(a), read_hf_tensors(tiny["dense"])
+    moved = [k for k in start if not torch.equal(trained[k], start[k].to(trained[k].dtype))]
+    assert moved  # the step moved the weights
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_missing_path_exits_2_without_traceback(tmp_path):
     missing = tmp_path / "no_such_model"
