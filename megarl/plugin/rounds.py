@@ -22,7 +22,8 @@ class RolloutRound:
     prompts/answers/uids: [G] prompt texts, ground truths, stable prompt ids (dataset rows);
     prompt_ids: [G] token ids; response_ids/texts: [G * n]; dims: name -> [G * n] reward
     dimensions; scalar: [G * n] their weighted sum (after earlier processors: the shaped value);
-    weights: name -> the reward function's weight.
+    weights: name -> the reward function's weight; correct: [G * n] bool, the verdicts of the reward
+    marked as the correctness check (megarl/rewards/correctness.py), None when there is none.
     """
 
     prompts: list[str]
@@ -37,6 +38,7 @@ class RolloutRound:
     step: int
     round: int
     weights: dict[str, float] = field(default_factory=dict)
+    correct: torch.Tensor | None = None
 
 
 @dataclass

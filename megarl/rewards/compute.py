@@ -8,12 +8,15 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.rewards.builtin import exact_match, regex_match
+from megarl.rewards.correctness import CORRECT_VALUE, correctness_index
 from megarl.rewards.sandbox import ContainedFunction, check_reward_value, failure_kind
 
 
 @dataclass
 class RewardResult:
-    """``scalar``: [B] weighted sum; ``dims``: name -> [B]; counts of contained failures: ``errors``
+    """``scalar``: [B] weighted sum; ``dims``: name -> [B]; ``correct``: [B] bool, the correctness
+    check's verdict (None when several rewards are given and none is marked ``correct``); counts of
+    contained failures: ``errors``
     (the function raised, or returned a non-number or a value not finite in float32),
     ``timeouts``, ``worker_deaths`` (the worker process exited or was killed during a call)."""
 
@@ -23,6 +26,7 @@ class RewardResult:
     timeouts: int = 0
     worker_deaths: int = 0
     failures: list[str] = field(default_factory=list)  # first few failure messages
+    correct: torch.Tensor | None = None
 
 
 class RewardComputer:
@@ -49,9 +53,14 @@ class RewardComputer:
             else:
                 fn = ContainedFunction(f.function, f.kwargs, cfg.timeout_s)
             self._fns.append((f.name, f.weight, fn))
+        try:
+            self.correct_name: str | None = cfg.functions[correctness_index(cfg.functions)].name
+        except ValueError:
+            self.correct_name = None  # ambiguous: refused by the trainer's config check
 
     @property
     def names(self) -> list[str]:
+        """The reward dimensions' names."""
         return [n for n, _, _ in self._fns]
 
     def __call__(self, responses: list[str], answers: list[str]) -> RewardResult:
@@ -82,6 +91,7 @@ class RewardComputer:
             timeouts=counts["timeout"],
             worker_deaths=counts["worker_death"],
             failures=failures,
+            correct=None if self.correct_name is None else dims[self.correct_name] >= CORRECT_VALUE,
         )
 
     def close(self) -> None:

@@ -46,13 +46,12 @@ class Trajectory:
 
 @dataclass
 class WorkflowContext:
-    """What a workflow may use: the tokenizer, ``score(text, answer) -> float`` (the run's scalar
-    reward of one answer), ``best`` (the reward of a correct answer), the context length, and the
-    ``environment`` config section."""
+    """What a workflow may use: the tokenizer, ``score(text, answer) -> (reward, correct)`` (the
+    run's scalar reward of one answer and the correctness check's verdict), the context length, and
+    the ``environment`` config section."""
 
     tokenizer: Any
-    score: Callable[[str, str], float]
-    best: float
+    score: Callable[[str, str], tuple[float, bool]]
     max_len: int | None
     env: Any
 
@@ -102,18 +101,18 @@ class SingleTurn:
 
 class RetryTask:
     """One prompt as a multi-turn environment over token ids (see the module docstring).
-    ``score(text) -> float``: the scalar reward of one answer; ``best``: the reward of a correct one."""
+    ``score(text) -> (reward, correct)``: the scalar reward of one answer and whether it is correct
+    (the correctness check, not a threshold on the reward)."""
 
     def __init__(
         self,
         tokenizer: Any,
         prompt: str,
-        score: Callable[[str], float],
-        best: float,
+        score: Callable[[str], tuple[float, bool]],
         max_turns: int = 2,
         feedback: str = " {prompt}",
     ):
-        self.tok, self.prompt, self.score, self.best = tokenizer, prompt, score, best
+        self.tok, self.prompt, self.score = tokenizer, prompt, score
         self.max_turns, self.feedback = max_turns, feedback
         self.turn = 0
         self.last_reward = 0.0
@@ -128,11 +127,11 @@ class RetryTask:
         """Score an answer; a wrong one before the last turn gets the feedback observation."""
         self.turn += 1
         self.last_text = self.tok.decode(list(action_ids))
-        r = float(self.score(self.last_text))
-        self.last_reward = r
-        done = r >= self.best or self.turn >= self.max_turns
+        r, correct = self.score(self.last_text)
+        self.last_reward = r = float(r)
+        done = correct or self.turn >= self.max_turns
         obs = [] if done else list(self.tok.encode(self.feedback.format(prompt=self.prompt), bos=False))
-        return StepResult(obs, 1.0 if r >= self.best else 0.0, done, {"reward": r})
+        return StepResult(obs, 1.0 if correct else 0.0, done, {"reward": r})
 
 
 def episode_trajectory(ep: Episode, env: RetryTask) -> Trajectory:
@@ -167,7 +166,7 @@ class RetryWorkflow:
 
         async def one(j: int) -> Trajectory:
             env = RetryTask(
-                c.tokenizer, prompt, lambda t: c.score(t, answer), c.best, env_cfg.max_turns, env_cfg.feedback
+                c.tokenizer, prompt, lambda t: c.score(t, answer), env_cfg.max_turns, env_cfg.feedback
             )
             sp = dataclasses.replace(sampling, seed=(sampling.seed * 31 + j) % (2**31))
             ep = await run_episode(engine, env, sp, max_turns=env_cfg.max_turns, max_len=c.max_len)

@@ -36,6 +36,11 @@ class LockedRewards:
         """The reward dimensions' names."""
         return self.inner.names
 
+    @property
+    def correct_name(self) -> str | None:
+        """The correctness check's dimension (None when ambiguous)."""
+        return self.inner.correct_name
+
     def __call__(self, responses: list[str], answers: list[str]):
         with self._lock:
             return self.inner(responses, answers)
@@ -182,6 +187,7 @@ class RolloutCollector:
             step,
             rnd,
             dict(self.weights),
+            correct=rr.correct,
         )
         extras: dict[str, list[float]] = {}
         for proc in self.processors:

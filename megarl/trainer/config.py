@@ -22,6 +22,7 @@ import yaml
 from megarl.faults.config import FaultsConfig, InjectionConfig, validate_faults
 from megarl.learner.optim_config import OptimConfig
 from megarl.objectives.rl_objective import ObjectiveConfig
+from megarl.rewards.correctness import correctness_index
 
 # the learner's own optimizer settings are the `optimizer` section (one definition, megatron-free)
 OptimizerConfig = OptimConfig

@@ -121,6 +121,7 @@ MEANINGS: dict[str, str] = {
     "reward.functions[].kind": "verifier: exact_match, regex (pattern), math_verify (math-verify package, contained), python (function, contained)",
     "reward.functions[].weight": "weight in the scalar reward",
     "reward.functions[].kwargs": "extra keyword arguments of a python / math_verify function",
+    "reward.functions[].correct": "this reward is the correctness check of the accuracy metrics (value >= 1 = correct); required on one entry when there are several",
     "faults.inject[].kind": "fault kind (see docs/faults.md): nan, inf, fp16, bf16, logits, poison",
     "faults.inject[].step": "trainer step during whose forward/backward the fault is active",
     "faults.inject[].target": "module name (output) or parameter name (where: grad)",

@@ -6,6 +6,8 @@ import asyncio
 import time
 from typing import Any
 
+import torch
+
 
 async def _generate(run: Any, rows: list, n: int, step: int, greedy: bool = False) -> list:
     return await asyncio.gather(
@@ -18,9 +20,18 @@ async def _generate(run: Any, rows: list, n: int, step: int, greedy: bool = Fals
     )
 
 
+def _correct(res: Any) -> torch.Tensor:
+    """The correctness verdicts of a ``RewardResult`` (the reward marked ``correct``)."""
+    if res.correct is None:
+        raise ValueError("several rewards and none marked `correct: true` in reward.functions")
+    return res.correct
+
+
 def evaluate(run: Any) -> dict:
-    """``eval/pass@1``, ``eval/reward_greedy`` and, with ``schedule.eval_k > 1``, ``eval/pass@k`` and
-    ``eval/sampled_acc`` on the first ``schedule.eval_samples`` eval prompts ({} without an eval set)."""
+    """``eval/pass@1``, ``eval/reward_greedy`` (the weighted sum) and, with ``schedule.eval_k > 1``,
+    ``eval/pass@k`` and ``eval/sampled_acc`` on the first ``schedule.eval_samples`` eval prompts ({}
+    without an eval set). Correct means the correctness reward's verdict (megarl/rewards/correctness.py),
+    not a threshold on the weighted sum."""
     if run.eval_ds is None:
         return {}
     s = run.cfg.schedule
@@ -28,17 +39,18 @@ def evaluate(run: Any) -> dict:
     t0 = time.time()
     greedy = run.loop.run_until_complete(_generate(run, rows, 1, step=-1, greedy=True))
     texts = [run.tok.decode(g.samples[0].token_ids) for g in greedy]
-    r1 = run.rewards(texts, [r.answer for r in rows]).scalar
-    fns = run.cfg.reward.functions
-    best = float(max(f.weight for f in fns if f.weight > 0)) if any(f.weight > 0 for f in fns) else 1.0
-    out = {"eval/pass@1": float((r1 >= best).float().mean()), "eval/reward_greedy": float(r1.mean())}
+    res = run.rewards(texts, [r.answer for r in rows])
+    out = {
+        "eval/pass@1": float(_correct(res).float().mean()),
+        "eval/reward_greedy": float(res.scalar.mean()),
+    }
     if s.eval_k > 1:
         samp = run.loop.run_until_complete(_generate(run, rows, s.eval_k, step=-2))
         texts = [run.tok.decode(x.token_ids) for g in samp for x in g.samples]
         answers = [r.answer for r in rows for _ in range(s.eval_k)]
-        rk = run.rewards(texts, answers).scalar.view(len(rows), s.eval_k)
-        out[f"eval/pass@{s.eval_k}"] = float((rk >= best).any(1).float().mean())
-        out["eval/sampled_acc"] = float((rk >= best).float().mean())
+        ck = _correct(run.rewards(texts, answers)).view(len(rows), s.eval_k)
+        out[f"eval/pass@{s.eval_k}"] = float(ck.any(1).float().mean())
+        out["eval/sampled_acc"] = float(ck.float().mean())
     out["time/eval"] = time.time() - t0
     return out
 

@@ -135,11 +135,14 @@ class Run:
         self.collector = None
         if not self.rank0:
             return
-        best = float(sum(f.weight for f in cfg.reward.functions if f.weight > 0)) or 1.0
+
+        def score(text: str, answer: str) -> tuple[float, bool]:
+            res = self.rewards([text], [answer])
+            return float(res.scalar[0]), res.correct is not None and bool(res.correct[0])
+
         wctx = WorkflowContext(
             self.tok,
-            lambda text, answer: float(self.rewards([text], [answer]).scalar[0]),
-            best,
+            score,
             int(self.hf.get("max_position_embeddings", 0)) or None,
             cfg.environment,
         )

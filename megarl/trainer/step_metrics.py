@@ -6,14 +6,16 @@ from typing import Any
 
 import torch
 
+from megarl.rewards.correctness import CORRECT_VALUE
 from megarl.rundir import read_metrics
 from megarl.trainer.rollouts import Rollouts
 from megarl.trainer.setup import log
 
 
 def rollout_metrics(run: Any, ro: Rollouts, rs: dict) -> dict:
-    """Rewards per dimension, lengths, truncation, dynamic-sampling and reward-failure counters; the
-    round processors' metrics and any the rollout source added (``rs["async"]``)."""
+    """Rewards per dimension, the accuracy of the samples (``rollout/accuracy``), lengths,
+    truncation, dynamic-sampling and reward-failure counters; the round processors' metrics and any
+    the rollout source added (``rs["async"]``)."""
     run.failures_total["errors"] += rs["errors"]
     run.failures_total["timeouts"] += rs["timeouts"]
     run.failures_total["worker_deaths"] = run.failures_total.get("worker_deaths", 0) + rs.get(
@@ -27,6 +29,11 @@ def rollout_metrics(run: Any, ro: Rollouts, rs: dict) -> dict:
             t = torch.tensor(v)
             rec[f"reward/{k}/mean"] = float(t.mean())
             rec[f"reward/{k}/std"] = float(t.std()) if t.numel() > 1 else 0.0
+        cname = getattr(run.rewards, "correct_name", None)
+        if cname in ro.reward_dims:  # the correctness check's verdicts, not a threshold on the sum
+            rec["rollout/accuracy"] = float(
+                (torch.tensor(ro.reward_dims[cname]) >= CORRECT_VALUE).float().mean()
+            )
         lens = torch.tensor([len(x) for x in ro.response_ids], dtype=torch.float32)
         rec.update(
             {

@@ -85,7 +85,9 @@ def base_config(model: str, work: Path, steps: int) -> dict:
                 "eval": str(work / "eval.jsonl"),
                 "generate": {"num_train": 64, "num_eval": 4},
             },
-            "reward": {"functions": list(d["reward"]["functions"]) + [FORMAT_REWARD]},
+            "reward": {
+                "functions": [dict(f, correct=True) for f in d["reward"]["functions"]] + [FORMAT_REWARD]
+            },
             "warmup": {"sft_steps": 6, "batch_size": 32},
             "rollout": {"n": 4, "max_new_tokens": 6},
             # 2 mini-batches: the second optimizer step is off-policy, so clipping, trust regions and

@@ -71,7 +71,7 @@ def trainer(dynamic: bool, max_rounds: int = 3) -> Collecting:
     ]
     ds = PromptDataset(rows)
     rewards = RewardComputer(cfg.reward)
-    wctx = WorkflowContext(run.tok, lambda t, a: 0.0, 1.0, None, cfg.environment)
+    wctx = WorkflowContext(run.tok, lambda t, a: (0.0, False), None, cfg.environment)
     c = RolloutCollector(
         engine=engine,
         tokenizer=run.tok,

@@ -241,7 +241,7 @@ def test_reward_floor_on_words_of_the_prompt():
 
 def test_amrp_and_rubric_dropout_use_the_reward_dimensions():
     fns = [
-        {"name": "correct", "kind": "exact_match"},
+        {"name": "correct", "kind": "exact_match", "correct": True},
         {"name": "format", "kind": "regex", "pattern": "^\\d+$"},
     ]
     dims = {"correct": [0.0, 1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0, 1.0]}
@@ -281,7 +281,9 @@ def test_judge_tokenizer_drops_unknown_characters_and_keeps_the_tail():
 
 def test_retry_task_asks_again_until_correct_or_out_of_turns():
     tok = CharTokenizer(BASE["model"]["alphabet"])
-    env = RetryTask(tok, "R 123=", score=lambda t: float(t.strip() == "321"), best=1.0, max_turns=3)
+    env = RetryTask(
+        tok, "R 123=", score=lambda t: (float(t.strip() == "321"), t.strip() == "321"), max_turns=3
+    )
     assert env.reset() == tok.encode("R 123=")
     wrong = env.step(tok.encode("123", bos=False))
     assert (

@@ -40,7 +40,7 @@ def config(tmp: Path) -> Path:
     }
     d["reward"] = {
         "functions": [
-            {"name": "correct", "kind": "exact_match"},
+            {"name": "correct", "kind": "exact_match", "correct": True},
             {"name": "format", "kind": "regex", "pattern": r"^\d+$"},
         ],
         "shaping": {"name": "amrp", "eta": 0.5},

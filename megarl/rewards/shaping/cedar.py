@@ -121,10 +121,13 @@ class CEDARReward(RoundShaper):
     needs_judge = True
 
     async def shape_round(self, r: RolloutRound, env: Any) -> RoundResult:
-        """Correctness is the first reward dimension (>= 1); the evidence items are the prompt's
-        distinct digits (quickstart stand-in, ``evidence_items``); coverage and direction are judged."""
-        first = next(iter(r.weights))
-        correct = (r.dims[first] >= 1.0).double()
+        """Correctness is the verdict of the run's correctness check (``r.correct``; without one, the
+        first reward dimension >= 1); the evidence items are the prompt's distinct digits (quickstart
+        stand-in, ``evidence_items``); coverage and direction are judged."""
+        if r.correct is not None:
+            correct = r.correct.double()
+        else:
+            correct = (r.dims[next(iter(r.weights))] >= 1.0).double()
         evidence = [evidence_items(p) for p in r.prompts for _ in range(r.n)]
         covered, valid, direction = await self.judge_inputs(env.judge, r.texts, evidence)
         shaped = self(correct, covered, valid, direction)
