@@ -56,9 +56,11 @@ class Learner:
     """One rank's part of the learner. All public methods are collective over the world."""
 
     def __init__(self, cfg: LearnerConfig, groups: ParallelGroups, perform_initialization: bool = True):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megarl.learner.ddp import WeakHookDDP
 
         self.cfg, self.groups = cfg, groups
         self.hf_config = load_hf_config(cfg.hf_config)
@@ -78,7 +80,7 @@ class Learner:
         if not cfg.trainable:
             for p in model.parameters():
                 p.requires_grad_(False)  # DDP allocates gradient buffers only for trainable parameters
-        self.ddp = DistributedDataParallel(
+        self.ddp = WeakHookDDP(
             self.config,
             DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,

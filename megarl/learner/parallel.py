@@ -129,11 +129,10 @@ def init_distributed(timeout_s: float = 120.0) -> None:
 
 
 # megatron keeps its groups in parallel_state's module globals, and a process group cannot be freed
-# while any model built on it lives (megatron DDP's gradient hooks sit on C++ autograd nodes, out of
-# reach of Python's gc, so dropped learners are never collected). Re-creating the groups on every
-# layout switch therefore piled up gloo threads (~50 per switch and rank; 2,000+ in the learner
-# tests). Instead each layout's groups are created once per process and megatron's globals are
-# restored from this cache when the layout comes back.
+# while any model built on it lives (a learner kept in a test's frame, a reference model held by a
+# method). Re-creating the groups on every layout switch therefore piled up gloo threads (~50 per
+# switch and rank; 2,000+ in the learner tests). Instead each layout's groups are created once per
+# process and megatron's globals are restored from this cache when the layout comes back.
 _GROUPS_BY_LAYOUT: dict[tuple, dict] = {}
 
 
