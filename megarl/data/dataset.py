@@ -1,10 +1,10 @@
 """Prompt datasets from jsonl or parquet files and a resumable, seeded prompt sampler.
 
-A bad row (not UTF-8, not JSON, not an object, missing or non-string prompt, answer missing, a prompt the
-tokenizer cannot encode) is reported as ``file:line: reason`` (jsonl, 1-based lines) or
-``file: row N: reason`` (parquet, 0-based row index). ``on_bad_row="fatal"`` stops at the
-first one; ``"skip"`` skips and counts them, and more than ``max_bad_rows`` is fatal (with the
-first few listed).
+A bad row (not UTF-8, not JSON, not an object, missing or non-string prompt, answer missing, a prompt
+or answer the tokenizer cannot encode, a prompt that fills the model's context window) is reported
+as ``file:line: reason`` (jsonl, 1-based lines) or ``file: row N: reason`` (parquet, 0-based row
+index). ``on_bad_row="fatal"`` stops at the first one; ``"skip"`` skips and counts them, and more
+than ``max_bad_rows`` is fatal (with the first few listed).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import glob
 import json
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,16 +94,21 @@ def load_prompt_rows(
     answer_field: str = "answer",
     task_field: str = "task",
     prompt_template: str = "{prompt}",
-    check_prompt: Callable[[str], None] | None = None,
+    check_prompt: Callable[[str], Sequence[int] | None] | None = None,
     on_bad_row: str = "fatal",
     max_bad_rows: int = 10,
     chat: Callable[[str], str] | None = None,
+    check_answer: Callable[[str], object] | None = None,
+    context_len: int | None = None,
 ) -> tuple[list[PromptRow], list[str]]:
     """Rows of every file (jsonl or parquet) matching ``pattern`` and the bad-row messages (skip mode).
 
     ``prompt_template`` is a ``str.format`` template over the row's fields (``{prompt}`` by default).
     ``chat(text) -> text`` wraps the filled template in a chat template (``megarl.data.chat``).
-    ``check_prompt(text)`` raises ``ValueError`` for a prompt the model cannot take.
+    ``check_prompt(text)`` raises ``ValueError`` for a prompt the model cannot take and may return
+    the prompt's token ids: with ``context_len`` (the model's context window) a prompt of
+    ``context_len`` tokens or more is a bad row (no room for a response). ``check_answer(answer)``
+    raises ``ValueError`` for a ground truth the tokenizer cannot encode.
     """
     rows: list[PromptRow] = []
     bad: list[str] = []
@@ -149,9 +154,22 @@ def load_prompt_rows(
                     continue
             if check_prompt is not None:
                 try:
-                    check_prompt(text)
+                    ids = check_prompt(text)
                 except ValueError as e:
                     report(where, f"prompt cannot be tokenized: {e}")
+                    continue
+                if context_len is not None and ids is not None and len(ids) >= context_len:
+                    report(
+                        where,
+                        f"prompt is {len(ids)} tokens; the model's context window (max_position_embeddings) "
+                        f"is {context_len} tokens, which leaves no room for a response",
+                    )
+                    continue
+            if check_answer is not None:
+                try:
+                    check_answer(a)
+                except ValueError as e:
+                    report(where, f"answer cannot be tokenized: {e}")
                     continue
             rows.append(
                 PromptRow(prompt=text, answer=a, task=str(obj.get(task_field, "default")), source=where)

@@ -11,6 +11,8 @@ from megarl.data.dataset import PromptDataset, load_jsonl_rows
 from megarl.data.tokenizer import CharTokenizer
 from megarl.trainer.config import ConfigError, TrainConfig
 
+DEFAULT_CONTEXT = 4096  # the learner's max_position_embeddings when the HF config has none
+
 
 def log(msg: str) -> None:
     """Print on rank 0 (or before the process group exists)."""
@@ -25,6 +27,7 @@ class HFTokenizer:
         self.tok = tok
         self.eos_id = tok.eos_token_id
         self.pad_id = tok.pad_token_id
+        self.unk_id = tok.unk_token_id  # None for byte-level tokenizers (every text encodes)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """Token ids of ``text`` (special tokens when ``bos``)."""
@@ -37,15 +40,19 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
+def model_hf_config(cfg: TrainConfig) -> dict:
+    """The policy's HF config as the model section gives it (``hf_dir``'s config.json or ``hf_config``)."""
+    if cfg.model.hf_dir is not None:
+        from megarl.learner.model import load_hf_config
+
+        return load_hf_config(cfg.model.hf_dir)
+    return dict(cfg.model.hf_config)
+
+
 def tokenizer_and_hf_config(cfg: TrainConfig) -> tuple[Any, dict]:
     """The tokenizer and the policy's HF config (special token ids from the char tokenizer)."""
     m = cfg.model
-    if m.hf_dir is not None:
-        from megarl.learner.model import load_hf_config
-
-        hf = load_hf_config(m.hf_dir)
-    else:
-        hf = dict(m.hf_config)
+    hf = model_hf_config(cfg)
     if m.tokenizer == "char":
         tok = CharTokenizer(m.alphabet)
         if hf.get("vocab_size", tok.vocab_size) < tok.vocab_size:
@@ -63,9 +70,15 @@ def tokenizer_and_hf_config(cfg: TrainConfig) -> tuple[Any, dict]:
     return HFTokenizer(AutoTokenizer.from_pretrained(m.hf_dir)), hf
 
 
-def load_datasets(cfg: TrainConfig, tok: Any) -> tuple[PromptDataset, PromptDataset | None]:
-    """The train and eval prompt datasets (generated first when ``data.generate`` asks)."""
+def load_datasets(
+    cfg: TrainConfig, tok: Any, hf_config: dict | None = None
+) -> tuple[PromptDataset, PromptDataset | None]:
+    """The train and eval prompt datasets (generated first when ``data.generate`` asks). A prompt that
+    fills the context window of ``hf_config`` (default: the model section's) or an answer the
+    tokenizer cannot encode is a bad row named by file:line."""
     d = cfg.data
+    hf = model_hf_config(cfg) if hf_config is None else hf_config
+    context_len = int(hf.get("max_position_embeddings") or DEFAULT_CONTEXT)
     if d.generate:
         from megarl.data.tasks import generate_task_files
 
@@ -87,6 +100,12 @@ def load_datasets(cfg: TrainConfig, tok: Any) -> tuple[PromptDataset, PromptData
     def check(text: str) -> list[int]:
         return tok.encode(text)  # raises ValueError on an unknown character
 
+    def check_answer(text: str) -> None:
+        ids = tok.encode(text, bos=False)
+        unk = getattr(tok, "unk_id", None)
+        if unk is not None and unk in ids:
+            raise ValueError(f"{text!r} holds text the tokenizer maps to its unknown token")
+
     def load(path: str) -> PromptDataset:
         rows, bad = load_jsonl_rows(
             path,
@@ -98,6 +117,8 @@ def load_datasets(cfg: TrainConfig, tok: Any) -> tuple[PromptDataset, PromptData
             d.on_bad_row,
             d.max_bad_rows,
             chat=chat,
+            check_answer=check_answer,
+            context_len=context_len,
         )
         for b in bad[:5]:
             log(f"megarl train: skipped bad row {b}")
