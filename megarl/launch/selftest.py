@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     except DistributedError as exc:
         print(f"selftest: ERROR {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # skip process-group teardown, which can block on the dead peer
+    # All ranks tear down together: a rank that destroys its gloo group while rank 0 (the store's host)
+    # is already gone can abort at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
