@@ -14,7 +14,8 @@ import re
 import typing
 from typing import Any
 
-from megarl.trainer import config as C
+from megarl.trainer import config_sections as C
+from megarl.trainer.config_loading import type_name
 
 # Meanings of the keys whose dataclass field has no comment.
 MEANINGS: dict[str, str] = {
@@ -197,7 +198,7 @@ def rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
             out += rows(tp, key + ".")
             continue
         meaning = comments.get(f.name) or MEANINGS.get(key, "")
-        out.append((key, C._type_name(tp), _fmt_default(_default(f)), meaning))
+        out.append((key, type_name(tp), _fmt_default(_default(f)), meaning))
     return out
 
 
@@ -225,7 +226,7 @@ def render() -> str:
     hints = typing.get_type_hints(C.TrainConfig)
     intro = (
         "Every section and key of a `megarl train` config, with its type, default and meaning. "
-        "Generated from the dataclasses in `megarl/trainer/config.py` (and the sections they reuse) by "
+        "Generated from the dataclasses in `megarl/trainer/config_sections.py` (and the sections they reuse) by "
         "`python -m megarl.trainer.config_docs > docs/configuration.md`; a test keeps it in sync."
     )
     usage = (
@@ -245,7 +246,7 @@ def render() -> str:
                 "",
                 "| key | type | default | meaning |",
                 "|---|---|---|---|",
-                f"| `{f.name}` | {C._type_name(cls)} | {_fmt_default(_default(f))} | {MEANINGS[f.name]} |",
+                f"| `{f.name}` | {type_name(cls)} | {_fmt_default(_default(f))} | {MEANINGS[f.name]} |",
                 "",
             ]
             continue

@@ -1,0 +1,218 @@
+"""Checks of a loaded ``megarl train`` config that the types alone cannot make: sizes, part names
+and their knobs (``validate``, run by every load) and the parallel layout against the model's shapes
+and the world size (``check_layout``, at setup).
+"""
+
+from __future__ import annotations
+
+from megarl.faults.config import validate_faults
+from megarl.rewards.correctness import correctness_index
+from megarl.trainer.config_sections import ConfigError, TrainConfig
+
+
+def _positive(key: str, v: float, strict: bool = True) -> None:
+    if (v <= 0) if strict else (v < 0):
+        raise ConfigError(f"{key}={v} must be {'> 0' if strict else '>= 0'}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that need no model: sizes, part names and their knobs."""
+    from megarl.advantages import ADVANTAGE_ESTIMATORS
+    from megarl.catalogue import load_builtin
+    from megarl.plugin.knobs import check_call_knobs
+
+    load_builtin()
+
+    s, r = cfg.schedule, cfg.rollout
+    for key, v in (
+        ("schedule.steps", s.steps),
+        ("schedule.prompts_per_step", s.prompts_per_step),
+        ("schedule.ppo_epochs", s.ppo_epochs),
+        ("schedule.mini_batches", s.mini_batches),
+        ("schedule.micro_batches", s.micro_batches),
+        ("rollout.n", r.n),
+        ("rollout.max_new_tokens", r.max_new_tokens),
+        ("checkpoint.every", cfg.checkpoint.every),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+        ("sampling.max_rounds", cfg.sampling.max_rounds),
+        ("logging.print_every", cfg.logging.print_every),
+        ("schedule.eval_k", s.eval_k),
+    ):
+        _positive(key, v)
+    _positive("warmup.sft_steps", cfg.warmup.sft_steps, strict=False)
+    _positive("async_loop.max_staleness", cfg.async_loop.max_staleness, strict=False)
+    if cfg.data.chat_template and cfg.model.tokenizer != "hf":
+        raise ConfigError(
+            "data.chat_template=true needs model.tokenizer='hf' (a tokenizer with a chat template)"
+        )
+    _positive("reward.timeout_s", cfg.reward.timeout_s)
+    _positive("rollout.temperature", r.temperature, strict=False)
+    if s.mini_batches > s.prompts_per_step:
+        raise ConfigError(
+            f"schedule.mini_batches={s.mini_batches} must be <= schedule.prompts_per_step="
+            f"{s.prompts_per_step} (mini-batches hold whole groups)"
+        )
+    if cfg.advantage.estimator not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(
+            f"advantage.estimator={cfg.advantage.estimator!r}; allowed: "
+            f"{', '.join(ADVANTAGE_ESTIMATORS.names())}"
+        )
+    fn = ADVANTAGE_ESTIMATORS.get(cfg.advantage.estimator)
+    try:
+        check_call_knobs(
+            fn,
+            cfg.advantage.knobs,
+            "advantage",
+            f"estimator {cfg.advantage.estimator!r}",
+            skip=("batch",),
+            also_allowed=("estimator",),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        cfg.objective.validate()
+        validate_faults(cfg.faults)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if r.engine != "embedded" and not r.urls and not r.launch:
+        raise ConfigError(
+            f"rollout.engine={r.engine!r} needs rollout.urls (the servers' base URLs) or rollout.launch=true"
+        )
+    if r.launch and (r.engine != "vllm" or r.urls):
+        raise ConfigError(
+            "rollout.launch=true starts one vLLM server: it needs rollout.engine='vllm' and no rollout.urls"
+        )
+    if not cfg.data.train and not cfg.data.generate:
+        raise ConfigError("data.train is empty: give a jsonl path/glob or data.generate")
+    if not cfg.reward.functions:
+        raise ConfigError("reward.functions is empty: give at least one reward dimension")
+    names = [f.name for f in cfg.reward.functions]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward.functions: names must be unique, got {names}")
+    for i, f in enumerate(cfg.reward.functions):
+        if f.kind == "regex" and not f.pattern:
+            raise ConfigError(f"reward.functions[{i}].pattern is required for kind 'regex'")
+        if f.kind == "python" and (not f.function or ":" not in f.function):
+            raise ConfigError(
+                f"reward.functions[{i}].function must be 'module:function' for kind 'python', "
+                f"got {f.function!r}"
+            )
+    try:
+        correctness_index(cfg.reward.functions)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_method_inputs(cfg)
+    if cfg.model.hf_dir is None and not cfg.model.hf_config:
+        raise ConfigError(
+            "model: give model.hf_dir (a HF checkpoint) or model.hf_config (built with random weights)"
+        )
+    if cfg.objective.kl_coef and cfg.warmup.sft_steps == 0 and cfg.model.hf_dir is None:
+        pass  # the reference is the random initial model: allowed, if odd
+
+
+def _check_method_inputs(cfg: TrainConfig) -> None:
+    """``reward.shaping`` (knobs checked by the shaper's signature), the judge, the workflow, the
+    ``inputs`` section (each provider checks its own knobs) and the ``method`` section's knobs."""
+    from megarl.rewards.shaping import build_reward_shaping
+    from megarl.rollout.workflow import WORKFLOWS
+    from megarl.trainer.method_runtime import check_inputs_section, required_inputs
+
+    if cfg.reward.shaping is not None:
+        try:
+            build_reward_shaping({"shaping": cfg.reward.shaping})
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e) if "reward.shaping" in str(e) else f"reward.shaping: {e}") from None
+    _positive("reward.judge.timeout_s", cfg.reward.judge.timeout_s)
+    _positive("environment.max_turns", cfg.environment.max_turns)
+    if cfg.environment.name not in WORKFLOWS:
+        raise ConfigError(
+            f"environment.name={cfg.environment.name!r}; allowed: {', '.join(WORKFLOWS.names())}"
+        )
+    d = cfg.objective.distill
+    if d in ("forward_kl", "reverse_kl"):
+        raise ConfigError(
+            f"objective.distill={d!r} needs the teacher's full-vocabulary logits inside the loss, "
+            "which the trainer does not provide yet; use sampled_reverse_kl (teacher logprobs)"
+        )
+    try:
+        cfg.environment.feedback.format(prompt="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(
+            f"environment.feedback={cfg.environment.feedback!r}: only {{prompt}} may be used ({e!r})"
+        ) from None
+    _positive("reward.judge.max_new_tokens", cfg.reward.judge.max_new_tokens)
+    try:
+        spec = method_of(cfg)
+        required_inputs(cfg, spec)
+        check_inputs_section(cfg)
+        method_knobs(cfg, spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def method_of(cfg: TrainConfig):
+    """The run's ``MethodSpec`` (None when the config has no ``method`` section)."""
+    from megarl.catalogue import method_spec
+
+    return None if cfg.method is None else method_spec(cfg.method)
+
+
+def method_knobs(cfg: TrainConfig, spec) -> object:
+    """The method's knobs (the ``method`` section's keys other than ``name``/``import``), checked by
+    the method's knobs dataclass."""
+    from megarl.plugin.knobs import build_knobs
+
+    if spec is None:
+        return None
+    raw = {k: v for k, v in cfg.method.items() if k not in ("name", "import")}
+    return build_knobs(spec.knobs, raw, "method")
+
+
+def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int) -> None:
+    """Impossible layouts fail here, before any process group exists: TP must divide the heads and
+    the vocabulary, EP the experts, PP the layers, and tp*pp*cp the world size."""
+    p = cfg.parallel
+    for key in ("tp", "pp", "ep", "cp"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.world_size and p.world_size != world_size:
+        raise ConfigError(f"parallel.world_size={p.world_size} but this job has {world_size} process(es)")
+    mp = p.tp * p.pp * p.cp
+    if world_size % mp:
+        raise ConfigError(f"parallel: tp*pp*cp={mp} must divide the world size {world_size}")
+    heads = int(hf_config.get("num_attention_heads", 0))
+    kv = int(hf_config.get("num_key_value_heads") or heads)
+    vocab = int(hf_config.get("vocab_size", 0))
+    layers = int(hf_config.get("num_hidden_layers", 0))
+    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    if heads % p.tp or kv % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} must divide num_attention_heads={heads} and "
+            f"num_key_value_heads={kv}; allowed tp: {_divisors_of_both(heads, kv)}"
+        )
+    if vocab % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide vocab_size={vocab}")
+    if layers % p.pp:
+        raise ConfigError(
+            f"parallel.pp={p.pp} must divide num_hidden_layers={layers}; allowed pp: "
+            f"{_divisors_of_both(layers, layers)}"
+        )
+    if p.ep > 1 and (not experts or experts % p.ep):
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide num_experts={experts}"
+            + (
+                f"; allowed ep: {_divisors_of_both(experts, experts)}"
+                if experts
+                else " (a dense model needs ep=1)"
+            )
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if cfg.schedule.prompts_per_step % max(world_size // mp, 1):
+        raise ConfigError(
+            f"schedule.prompts_per_step={cfg.schedule.prompts_per_step} must be divisible by the "
+            f"data-parallel size {world_size // mp}"
+        )
+
+
+def _divisors_of_both(a: int, b: int) -> str:
+    return ", ".join(str(d) for d in range(1, max(a, 1) + 1) if a % d == 0 and b % d == 0)

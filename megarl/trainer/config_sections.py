@@ -1,0 +1,267 @@
+"""The sections of the ``megarl train`` config: one dataclass per YAML section (``TrainConfig`` holds
+them all). Plain data with no torch import, so a config is built and range-checked before anything
+heavy loads; loading lives in ``config_loading``, the checks in ``config_checks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarl.faults.config import FaultsConfig, InjectionConfig
+from megarl.learner.optim_config import OptimConfig
+from megarl.objectives.objective_config import ObjectiveConfig
+
+# the learner's own optimizer settings are the `optimizer` section (one definition, megatron-free)
+OptimizerConfig = OptimConfig
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the dotted key and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. ``hf_dir``: start from a HF checkpoint (config + safetensors); else a model
+    is built with random weights from ``hf_config`` (a HF config dict, e.g. a tiny Qwen3)."""
+
+    hf_dir: str | None = None
+    hf_config: dict = field(default_factory=dict)
+    tokenizer: Literal["char", "hf"] = "char"  # char: megarl.data.tokenizer.CharTokenizer over `alphabet`
+    alphabet: str = "0123456789+-=*/ ()"
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 1234
+
+
+@dataclass
+class ParallelConfig:
+    """Learner layout; DP = world_size / (tp * pp * cp). ``world_size`` 0 = take it from torchrun."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    expert_tp: int | None = None
+    world_size: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are sampled. ``engine: embedded`` generates in this process with the current
+    weights (synced in memory after every step); ``vllm`` / ``sglang`` talk to servers at ``urls``
+    and reload weights from disk."""
+
+    engine: Literal["embedded", "vllm", "sglang"] = "embedded"
+    urls: list = field(default_factory=list)
+    n: int = 8  # samples per prompt (the group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    max_concurrency: int = 64
+    weights_dir: str | None = None  # server engines: where exported weights go (default run_dir/weights)
+    launch: bool = False  # vllm: start one server on this node (vLLM venv) serving the initial policy
+    server_python: str | None = None  # launch: the vLLM venv's python (default: .venv-vllm)
+    server_dtype: Literal["float32", "bfloat16"] = "float32"  # launch: the server's dtype
+    server_max_num_seqs: int = 16  # launch: vLLM --max-num-seqs
+    server_startup_timeout_s: float = 600.0  # launch: how long to wait for /health
+    server_args: list = field(default_factory=list)  # launch: extra vLLM command-line arguments
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets (jsonl or parquet; a path or a glob). ``generate`` writes a synthetic task dataset
+    first when the files do not exist (the quickstart's data)."""
+
+    train: str = ""
+    eval: str = ""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    task_field: str = "task"
+    prompt_template: str = "{prompt}"
+    # wrap the rendered prompt as a user turn with the HF tokenizer's chat template
+    chat_template: bool = False
+    system_prompt: str | None = None  # chat_template: an optional system turn before the user turn
+    on_bad_row: Literal["fatal", "skip"] = "fatal"
+    max_bad_rows: int = 10  # with on_bad_row=skip: more bad rows than this is fatal
+    generate: dict | None = None  # {task: reverse|add|copy, ...} see megarl.data.tasks
+
+
+@dataclass
+class RewardFunctionConfig:
+    """One named reward dimension. ``kind``: exact_match | regex | math_verify (the ``math-verify``
+    package: the response's final answer equals the ground truth mathematically) | python
+    (``function`` = "module:name"). math_verify and python run in a contained worker process.
+    ``correct``: this reward is the correctness check (a value >= 1 is a correct answer); accuracy
+    metrics use it. Required on one entry when there are several (megarl/rewards/correctness.py)."""
+
+    name: str = "correct"
+    kind: Literal["exact_match", "regex", "math_verify", "python"] = "exact_match"
+    weight: float = 1.0
+    pattern: str | None = None  # regex: a match (with the answer substituted for {answer}) = 1
+    function: str | None = None  # python: "package.module:function"
+    kwargs: dict = field(default_factory=dict)
+    correct: bool = False  # the correctness check (accuracy metrics); one entry when there are several
+
+
+@dataclass
+class JudgeConfig:
+    """LLM-judge calls of judged reward shapers (those that declare ``needs_judge``) through the
+    rollout engine: each call
+    is bounded by ``timeout_s``; failed or malformed replies are contained and counted."""
+
+    timeout_s: float = 30.0
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+
+
+@dataclass
+class RewardConfig:
+    """Reward dimensions; the scalar reward is their weighted sum. A python reward function that
+    raises or runs past ``timeout_s`` gets ``fallback`` and is counted in the metrics.
+    ``shaping``: an optional reward shaper ``{name: <REWARD_SHAPERS key>, <knobs>}`` applied to the
+    rewards of every rollout round (megarl/rewards/shaping/processor.py)."""
+
+    functions: list = field(default_factory=lambda: [RewardFunctionConfig()])
+    timeout_s: float = 5.0
+    fallback: float = 0.0
+    shaping: dict | None = None
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+
+@dataclass
+class AdvantageConfig:
+    """Advantage estimator (registry name) and its knobs (keyword arguments of the estimator)."""
+
+    estimator: str = "grpo"
+    knobs: dict = field(default_factory=dict)
+
+
+@dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation (``objective.distill: sampled_reverse_kl``): a HF
+    checkpoint sharing the policy's vocabulary, run forward-only beside the learner; its logprobs of
+    the sampled tokens fill ``batch.teacher_logprobs``."""
+
+    hf_dir: str | None = None  # the teacher's HF checkpoint directory (config.json + safetensors)
+
+
+@dataclass
+class EnvironmentConfig:
+    """The rollout workflow (megarl/rollout/workflow.py ``WORKFLOWS``). ``none``: one answer per
+    sample. ``retry``: a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``)
+    as an observation and another turn, up to ``max_turns``; the episode's outcome is its last
+    answer's reward."""
+
+    name: str = "none"  # a WORKFLOWS name: none (single-turn), retry (a wrong answer gets another turn)
+    max_turns: int = 2  # answers per episode at most
+    feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
+
+
+@dataclass
+class SamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until
+    the batch holds ``schedule.prompts_per_step`` informative groups or ``max_rounds`` is reached."""
+
+    dynamic: bool = False
+    max_rounds: int = 3
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up on the dataset's answers before RL (so rewards are not all zero at start).
+    The warmed-up weights are the RL initial policy and the KL reference."""
+
+    sft_steps: int = 0
+    batch_size: int = 64
+    lr: float = 1e-3
+
+
+@dataclass
+class ScheduleConfig:
+    """Loop sizes. Each RL step: ``prompts_per_step`` prompts x ``rollout.n`` samples, then
+    ``ppo_epochs`` passes of ``mini_batches`` optimizer steps, each over ``micro_batches``."""
+
+    steps: int = 100
+    prompts_per_step: int = 16
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batches: int = 1
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    eval_every: int = 0  # 0 = only before and after training
+    eval_samples: int = 64  # held-out prompts per evaluation
+    eval_k: int = 4  # pass@k with k samples at rollout.temperature (1 = greedy pass@1 only)
+    seed: int = 1234
+
+
+@dataclass
+class CheckpointConfig:
+    """Atomic checkpoints under ``run_dir/checkpoints``; ``resume: auto`` continues from the newest."""
+
+    every: int = 10
+    keep_last: int = 2
+    resume: Literal["auto", "never"] = "auto"
+
+
+@dataclass
+class LoggingConfig:
+    """Run directory, metrics.jsonl, optional tensorboard/wandb and the end-of-run plot."""
+
+    run_dir: str = "runs/default"
+    print_every: int = 1
+    tensorboard: bool = False  # event files in run_dir/tensorboard (the `tensorboard` package)
+    wandb: bool = False  # log to Weights & Biases when the wandb package is installed (never required)
+    wandb_project: str = "megarl"
+    # auto: a live bar on a terminal, plain lines otherwise
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    plot: bool = True
+
+
+@dataclass
+class AsyncLoopConfig:
+    """Asynchronous rollouts with bounded staleness (``megarl.trainer.async_loop``).
+
+    Rank 0 generates the rollouts of the next steps in a background thread while the learner trains.
+    A sample's staleness is (the learner's version when it trains on it) - (the version that
+    generated it); the producer never starts a step's rollouts more than ``max_staleness`` versions
+    ahead, and a group found older than that when consumed is dropped or regenerated (``on_stale``).
+    At a weight update the in-flight requests are aborted; ``partial_rollout: abort`` regenerates
+    them from scratch with the new weights, ``continue`` keeps the tokens generated so far and
+    continues them with the new weights (the sample's version is its oldest part's)."""
+
+    enabled: bool = False
+    max_staleness: int = 1
+    partial_rollout: Literal["abort", "continue"] = "abort"
+    on_stale: Literal["drop", "regenerate"] = "regenerate"
+
+
+@dataclass
+class TrainConfig:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    method: dict | None = None  # {name: <built-in method>} or {import: "pkg.module:SPEC"}, plus its knobs
+    inputs: dict = field(
+        default_factory=dict
+    )  # knobs of batch-input providers: {<input name>: {<knob>: value}}
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    async_loop: AsyncLoopConfig = field(default_factory=AsyncLoopConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)  # docs/faults.md
+
+
+# Lists whose items are sections themselves.
+LIST_ITEM_TYPES = {("reward", "functions"): RewardFunctionConfig, ("faults", "inject"): InjectionConfig}
