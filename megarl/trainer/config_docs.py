@@ -16,6 +16,7 @@ from typing import Any
 
 from megarl.trainer import config_sections as C
 from megarl.trainer.config_loading import type_name
+from megarl.trainer.config_migrations import MOVED
 
 # Meanings of the keys whose dataclass field has no comment.
 MEANINGS: dict[str, str] = {
@@ -272,7 +273,24 @@ def render() -> str:
                 for key, tp, default, meaning in rows(item, lkey + "[]."):
                     out.append(f"| `{key}` | {tp} | {default} | {meaning} |")
         out.append("")
+    out += _removed_keys()
     return "\n".join(out)
+
+
+def _removed_keys() -> list[str]:
+    """The table of keys older configs used and where they went (``config_migrations.MOVED``)."""
+    out = [
+        "## Removed sections",
+        "",
+        "A config that still has one of these sections is refused with a message naming the new key of "
+        "each of its keys.",
+        "",
+        "| old key | new key |",
+        "|---|---|",
+    ]
+    for moves in MOVED.values():
+        out += [f"| `{old}` | `{new}` |" for old, new in moves.items()]
+    return out + [""]
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from megarl.trainer.config_checks import validate
+from megarl.trainer.config_migrations import check_removed_sections
 from megarl.trainer.config_sections import LIST_ITEM_TYPES, ConfigError, TrainConfig
 
 
@@ -128,6 +129,7 @@ def from_dict(data: dict) -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"the config must be a mapping of sections, got {type(data).__name__}")
     data = dict(data)
+    check_removed_sections(data)
     if data.get("method") is not None:
         data = _with_method_defaults(data)
     if "advantage" in data:
