@@ -95,7 +95,7 @@ MEANINGS: dict[str, str] = {
     "schedule.seed": "seed of the prompt order and of the per-request sampling seeds",
     "checkpoint.every": "checkpoint every N steps (and at the last step and on SIGTERM/SIGUSR1)",
     "checkpoint.keep_last": "number of checkpoints kept",
-    "checkpoint.resume": "auto: continue from the newest checkpoint in logging.run_dir; never: start over",
+    "checkpoint.resume": "auto: continue the run in logging.run_dir from its newest complete checkpoint; never: start a new run (a used run_dir: see on_existing)",
     "logging.run_dir": "run directory: resolved config, metrics.jsonl, checkpoints, curves.png, tensorboard/",
     "logging.print_every": "print a progress line every N steps",
     "logging.wandb_project": "wandb project name (logging.wandb)",

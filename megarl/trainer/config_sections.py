@@ -197,11 +197,15 @@ class ScheduleConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Atomic checkpoints under ``run_dir/checkpoints``; ``resume: auto`` continues from the newest."""
+    """Atomic checkpoints under ``run_dir/checkpoints``; ``resume: auto`` continues from the newest
+    complete one of the run in ``logging.run_dir``, ``never`` starts a new run (see ``on_existing``)."""
 
     every: int = 10
     keep_last: int = 2
     resume: Literal["auto", "never"] = "auto"
+    # resume: never into a run_dir that holds a run: refuse (default), archive (move its contents to
+    # <run_dir>.archived-<old run id>) or overwrite (delete them)
+    on_existing: Literal["refuse", "archive", "overwrite"] = "refuse"
 
 
 @dataclass
