@@ -33,6 +33,17 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_REQUEUE = 99  # stopped on a signal after the learner checkpointed: the batch script requeues
+# what a learner rank may exit with after a stop signal: 0, or 128 + the signal (the shell convention,
+# ``megarl train`` exits 138 after SIGUSR1); killed by the signal before its handler was installed is
+# also a stop. Any other code is a failure and is not requeued (e.g. a config error during start-up).
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+def stopped_cleanly(code: int) -> bool:
+    """Whether a learner rank's exit code after a stop signal means "stopped", not "failed"."""
+    return (
+        code == 0 or code in {128 + int(s) for s in STOP_SIGNALS} or code in {-int(s) for s in STOP_SIGNALS}
+    )
 
 
 @dataclass
@@ -152,7 +163,8 @@ class NodeLauncher:
                 self.log(f"ERROR {exc} after {failure}")
                 return EXIT_FAILED
             self.log(
-                f"{exc}: nothing to checkpoint yet" + (", exit 99 for requeue" if plan.runs_learner else "")
+                f"{exc}: nothing to checkpoint yet"
+                + (f", exit {EXIT_REQUEUE} (the batch script requeues)" if plan.runs_learner else "")
             )
             return EXIT_REQUEUE if plan.runs_learner else EXIT_OK
         except LaunchFailure as exc:
@@ -164,6 +176,11 @@ class NodeLauncher:
             return EXIT_FAILED
         except LayoutError as exc:
             self.log(f"ERROR config check failed: {exc}")
+            # tell the other nodes: srun stops them with SIGTERM, which alone would read as a pre-emption
+            if plan.runs_rollout and not plan.runs_learner:
+                rdv.mark_dead(self.node, f"config check failed: {exc}")
+            if plan.runs_learner:
+                rdv.set_learner_state("failed")
             return EXIT_CONFIG
         finally:
             terminate_all(self.ranks + self.servers)
@@ -184,7 +201,10 @@ class NodeLauncher:
     # ------------------------------------------------------------------ rollout side
     def _start_servers(self, plan: NodePlan) -> None:
         if not self.opts.rollout_cmd:
-            raise LayoutError("this node has rollout role but no --rollout-cmd was given")
+            raise LayoutError(
+                "this node has the rollout role but no rollout server command was given: set "
+                "MEGARL_ROLLOUT_CMD (the sbatch templates) or --rollout-cmd (python -m megarl.launch)"
+            )
         L = self.layout
         for s in range(L.servers_per_node):
             port = self.opts.rollout_port + s
@@ -346,6 +366,13 @@ class NodeLauncher:
         # srun --kill-on-bad-exit stopped us: a failure, not a pre-emption
         if self.stop_signal and peer_failure:
             raise LaunchFailure(f"stopped by {self.stop_signal} after {peer_failure}")
+        failed = [(r, c) for r, c in zip(self.ranks, codes) if not stopped_cleanly(c)]
+        if self.stop_signal and failed:
+            raise LaunchFailure(
+                f"after {self.stop_signal}: "
+                + "; ".join(f"{r.label} exited with code {c}" for r, c in failed)
+                + " (a failure, not a stop: not requeued)"
+            )
         if self.stop_signal:
             state, rc = "stopped", EXIT_REQUEUE
             # Exit 99 is a "bad exit" for srun --kill-on-bad-exit: wait until every learner node has stopped,
@@ -358,7 +385,8 @@ class NodeLauncher:
                     f"{self.opts.stop_grace_s:.0f}s"
                 )
             self.log(
-                f"learner ranks stopped after {self.stop_signal} (exit codes {codes}); exit {rc} for requeue"
+                f"learner ranks stopped after {self.stop_signal} (exit codes {codes}); "
+                f"exit {rc} (the batch script requeues)"
             )
         elif any(codes):
             state, rc = "failed", EXIT_FAILED

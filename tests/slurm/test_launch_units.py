@@ -345,7 +345,7 @@ def _run_with_signal_after(launcher: NodeLauncher, delay: float) -> int:
 def test_stop_while_waiting_for_rollout_requeues_unless_a_peer_failed(tmp_path):
     """Pre-emption before the ranks exist: exit 99 (requeue); the same signal after a peer failed: exit 1."""
     assert _run_with_signal_after(launcher := _learner_of_two(tmp_path / "x"), 0.3) == 99
-    assert "nothing to checkpoint yet, exit 99 for requeue" in launcher._log_stream.getvalue()
+    assert "nothing to checkpoint yet, exit 99 (the batch script requeues)" in launcher._log_stream.getvalue()
     launcher = _learner_of_two(tmp_path / "y")
     Rendezvous(tmp_path / "y", "1", 0).set_learner_state("failed")
     assert _run_with_signal_after(launcher, 0.3) == 1
@@ -362,3 +362,62 @@ def test_rollout_node_dead_before_publishing_is_named(tmp_path):
         "ERROR rollout node(s) died before publishing: b: rollout server 0 on b"
         in launcher._log_stream.getvalue()
     )
+
+
+def _learner_only(tmp_path: Path, script: str) -> NodeLauncher:
+    task = SlurmTask(
+        job_id="1",
+        nodes=("a",),
+        node_id=0,
+        proc_id=0,
+        n_tasks=1,
+        hostname="a",
+        restart_count=0,
+        gpus_on_node=None,
+    )
+    opts = LaunchOptions(
+        layout=Layout(learner_nodes=1, rollout_nodes=0),
+        run_dir=tmp_path,
+        learner_cmd=["bash", "-c", script],
+        stop_grace_s=10,
+    )
+    return NodeLauncher(task, opts, log=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("rank_exit", "launcher_exit", "message"),
+    [
+        ("exit 138", 99, "exit codes [138]); exit 99 (the batch script requeues)"),  # megarl train's code
+        ("exit 0", 99, "exit codes [0]); exit 99 (the batch script requeues)"),
+        ("exit 2", 1, "exited with code 2 (a failure, not a stop: not requeued)"),
+    ],
+)
+def test_exit_code_of_a_rank_after_a_stop_decides_requeue(tmp_path, rank_exit, launcher_exit, message):
+    """After SIGUSR1 a rank's 0 or 128+signal is a checkpointed stop (exit 99); any other code (a config
+    error during start-up, a crash) is a failure that must not be requeued."""
+    launcher = _learner_only(tmp_path, f"trap '{rank_exit}' USR1; echo started; sleep 20 & wait")
+    assert _run_with_signal_after(launcher, 1.5) == launcher_exit, launcher._log_stream.getvalue()
+    assert message in launcher._log_stream.getvalue()
+
+
+def test_rollout_role_without_a_command_names_the_variable_and_fails_the_job(tmp_path):
+    task = SlurmTask(
+        job_id="1",
+        nodes=("a", "b"),
+        node_id=1,
+        proc_id=1,
+        n_tasks=2,
+        hostname="b",
+        restart_count=0,
+        gpus_on_node=None,
+    )
+    opts = LaunchOptions(
+        layout=Layout(learner_nodes=1, rollout_nodes=1), run_dir=tmp_path, learner_cmd=["true"]
+    )
+    launcher = NodeLauncher(task, opts, log=io.StringIO())
+    assert launcher.run() == 2
+    assert "set MEGARL_ROLLOUT_CMD" in launcher._log_stream.getvalue()
+    # srun then stops the learner node with SIGTERM: a failure (exit 1), not a pre-emption (99, requeued)
+    learner = _learner_of_two(tmp_path)
+    assert _run_with_signal_after(learner, 0.3) == 1
+    assert "b: config check failed: this node has the rollout role" in learner._log_stream.getvalue()

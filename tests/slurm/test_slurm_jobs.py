@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megarl.launch.selftest_model import reference_digest
 from tests.slurm.cluster import SlurmCluster
@@ -131,6 +132,19 @@ def work() -> Path:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def tiny_train_config(work: Path) -> Path:
+    """The quickstart shrunk to a 2-step run whose files stay under ``work``."""
+    d = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    d["data"].update(train=str(work / "tiny-train.jsonl"), eval=str(work / "tiny-eval.jsonl"))
+    d["data"]["generate"].update(num_train=64, num_eval=8)
+    d["warmup"]["sft_steps"] = 2
+    d["schedule"].update(steps=2, prompts_per_step=4, eval_every=0, eval_samples=8, eval_k=2)
+    d["logging"].update(run_dir=str(work / "tiny-train-run"), plot=False)
+    p = work / "tiny-train.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster: SlurmCluster, work: Path) -> dict[str, Job]:
     """Submit the non-interactive jobs at once; tests wait for their own."""
@@ -178,6 +192,24 @@ def jobs(slurm_cluster: SlurmCluster, work: Path) -> dict[str, Job]:
                 "MEGARL_LEARNER_CMD": "true",
             },
         )
+        jobs["no_rollout_cmd"] = submit(
+            c,
+            "multi_node.sbatch",
+            work,
+            "no_rollout_cmd",
+            ["--nodes=2"],
+            {"MEGARL_LEARNER_NODES": "1", "MEGARL_LEARNER_CMD": f"{SELFTEST} --steps 50 --step-sleep 1"},
+        )
+    jobs["readme"] = submit(
+        c,
+        "one_node.sbatch",
+        work,
+        "readme",
+        ["--nodes=1"],
+        # README's line: only MEGARL_TRAIN_CONFIG; the template finds the repository's .venv python
+        {"MEGARL_TRAIN_CONFIG": str(tiny_train_config(work)), "MEGARL_PYTHON": "", "PYTHONPATH": ""}
+        | {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
+    )
     jobs["proxy"] = submit(
         c,
         "proxy_repro.sbatch",
@@ -233,7 +265,7 @@ def test_requeue_resumes_from_checkpoint(slurm_cluster: SlurmCluster, work: Path
     print(f"requeue test: restart 1 after {time.monotonic() - t0:.1f}s")
     first = attempt(0)
     stop1 = int(re.search(r"stopping after checkpoint of step (\d+) on request", first).group(1))
-    assert "megarl: requeueing job" in first and "exit 99 for requeue" in first
+    assert "megarl: requeueing job" in first and "exit 99 (the batch script requeues)" in first
 
     wait_text(job, marker + r"1 (?s:.*)selftest: step " + str(stop1 + 1) + " loss", timeout=120)
     print(f"requeue test: attempt 1 stepping after {time.monotonic() - t0:.1f}s")
@@ -374,6 +406,31 @@ def test_rollout_server_exit_is_named(slurm_cluster: SlurmCluster, work: Path, j
     )
     assert "[megarl.launch node1] ERROR rollout node node3 died: " in text
     assert "requeueing" not in text
+
+
+def test_readme_line_runs_the_trainer_with_the_repository_venv(slurm_cluster: SlurmCluster, jobs):
+    """one_node.sbatch with MEGARL_TRAIN_CONFIG only, no python on PATH: the template picks the
+    checkout's .venv python, runs the learner alone (no MEGARL_ROLLOUT_CMD: embedded engine) to the end."""
+    if not (REPO / ".venv" / "bin" / "python").is_file():
+        pytest.skip("no .venv in the checkout (make setup makes it)")
+    job = jobs["readme"]
+    info = wait_state(slurm_cluster, job, FINAL, timeout=240)
+    text = job.text()
+    assert info["JobState"] == "COMPLETED", text
+    assert f"{REPO}/.venv/bin/python -m megarl.cli train" in text and "rollout servers=0" in text
+    assert "step    2/2" in text and "learner ranks finished" in text
+
+
+def test_missing_rollout_command_fails_without_requeue(slurm_cluster: SlurmCluster, jobs):
+    """The rollout node's config error names MEGARL_ROLLOUT_CMD; the learner node, stopped by srun,
+    reports a failure, not a pre-emption, so the job is not requeued."""
+    need_nodes(slurm_cluster, 2)
+    job = jobs["no_rollout_cmd"]
+    info = wait_state(slurm_cluster, job, FINAL, timeout=60)
+    text = job.text()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", text
+    assert "no rollout server command was given: set MEGARL_ROLLOUT_CMD" in text
+    assert "requeueing" not in text and "exit 99" not in text, text
 
 
 def test_proxy_template_runs_learner_only(slurm_cluster: SlurmCluster, jobs):
