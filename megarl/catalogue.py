@@ -17,6 +17,8 @@ from typing import Any
 BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.methods.trust_regions",
     "megarl.methods.credit",
+    "megarl.methods.peers",
+    "megarl.methods.critics",
     "megarl.rewards.shaping",
     "megarl.plugin.core_inputs",
     "megarl.rollout.workflow",
@@ -38,6 +40,9 @@ METHODS: dict[str, str] = {
     "softmax_grpo": "megarl.methods.credit.softmax_grpo:SPEC",
     "rspo": "megarl.methods.credit.rspo:SPEC",
     "rrpo": "megarl.methods.credit.rrpo:SPEC",
+    "gpg": "megarl.methods.peers.gpg:SPEC",
+    "gmpo": "megarl.methods.peers.gmpo:SPEC",
+    "ppo_critic": "megarl.methods.critics.ppo:SPEC",
     "amrp": "megarl.rewards.shaping.amrp:SPEC",
     "care": "megarl.rewards.shaping.care:SPEC",
     "cedar": "megarl.rewards.shaping.cedar:SPEC",

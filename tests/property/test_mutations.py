@@ -186,6 +186,26 @@ METHOD_MUTANTS = [
         "a_out, BASES[base](process, group_ids))",
         ("tests.methods.test_rspo:test_matches_reference",),
     ),
+    # the peers' catalogue (verl core_algos)
+    Mutant(
+        "gpg_alpha_counts_zero_rewards",
+        ("megarl.methods.peers.gpg",),
+        "gpg_advantages",
+        "(rewards != 0)",
+        "(rewards == 0)",
+        ("tests.methods.test_gpg:test_advantages_match_reference",),
+    ),
+    Mutant(
+        "gmpo_log_ratio_max_instead_of_min",
+        ("megarl.methods.peers.gmpo",),
+        "gmpo",
+        "sgn * torch.minimum(sgn * d,",
+        "sgn * torch.maximum(sgn * d,",
+        (
+            "tests.methods.test_gmpo:test_matches_reference",
+            "tests.methods.test_gmpo:test_one_token_sequences_are_ppo_with_log_space_bounds",
+        ),
+    ),
     # reward shaping
     Mutant(
         "reward_floor_precision_denominator",

@@ -1,0 +1,181 @@
+"""The peers' objective catalogue (verl's core_algos): policy losses and their advantage parts.
+
+Padded [B, L] tensors, full batch, no registry. Notation as in reference/policy_losses.py:
+logp = log π_θ(y_t), old = log π_old(y_t), roll = the rollout engine's log-prob, A = advantage,
+m = loss mask, r = exp(logp - old). Every loss returns per-token losses [B, L] (to be aggregated);
+padding positions hold finite junk.
+
+Provenance: read in verl's code (volcengine/verl, verl/trainer/ppo/core_algos.py), with the paper
+each function there names. Where megarl computes a statistic once per optimizer step over the whole
+batch (verl: per micro-batch), the function here takes the whole batch, and says so.
+"""
+
+import torch
+
+from reference.policy_losses import ppo_clip
+
+# ------------------------------------------------------------------------------------------ GPG
+
+
+def gpg_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, f_norm: float = 1.0) -> torch.Tensor:
+    """GPG advantages: α (R − mean_g R) / f_norm, α = B / #(R ≠ 0) over the whole batch.
+
+    A group of one has baseline 0 (its advantage is α R / f_norm), as in verl.
+    Provenance: code, verl ``compute_gpg_outcome_advantage`` (GPG, Chu et al. 2025, arXiv
+    2504.02546). rewards, group_ids: [B] -> [B].
+    """
+    B = rewards.numel()
+    alpha = B / max(int((rewards != 0).sum()), 1)
+    out = torch.zeros_like(rewards)
+    for g in torch.unique(group_ids):
+        idx = (group_ids == g).nonzero().flatten()
+        base = rewards[idx].mean() if idx.numel() > 1 else torch.zeros((), dtype=rewards.dtype)
+        out[idx] = alpha * (rewards[idx] - base) / f_norm
+    return out
+
+
+def gpg_loss(logp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """GPG policy loss: plain policy gradient, no ratio and no clip: ℓ = −A · logp.
+
+    Provenance: code, verl ``compute_policy_loss_gpg``. [B, L] -> [B, L]
+    """
+    return -adv * logp
+
+
+# ----------------------------------------------------------------------------------------- GMPO
+
+
+def gmpo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.4,
+    eps_high: float = 0.4,
+) -> torch.Tensor:
+    """GMPO: the geometric mean of the token ratios, each clipped in log space.
+
+    d_t = logp − old, d̃_t = sgn(A_t) · min(sgn(A_t) d_t, sgn(A_t) clip(d_t, −ε_low, ε_high))
+    ρ_b = exp( Σ_t m d̃_t / n_b ),  Ā_b = Σ_t m A_t / n_b,  ℓ_b = −Ā_b ρ_b on every token of b
+    (aggregate with seq-mean-token-mean for verl's mean over sequences).
+    Provenance: code, verl ``compute_policy_loss_geo_mean`` (GMPO, Zhao et al. 2025, arXiv
+    2507.20673; ε = 0.4 in log space is the paper's (e^−0.4, e^0.4)).
+    """
+    m = mask.to(logp.dtype)
+    n = m.sum(-1).clamp(min=1)
+    d = logp - old_logp
+    sgn = torch.sign(adv)
+    d_min = sgn * torch.minimum(sgn * d, sgn * torch.clamp(d, -eps_low, eps_high))
+    ratio = torch.exp((d_min * m).sum(-1) / n)  # [B]
+    a = (adv * m).sum(-1) / n
+    return (-a * ratio)[:, None].expand_as(logp)
+
+
+# ------------------------------------------------------------------------------ Clip-Cov, KL-Cov
+
+
+def token_covariance(adv: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """cov_t = (A_t − mean A)(old_t − mean old), means over the loss tokens of the whole batch.
+
+    verl takes the current log-probs of each micro-batch; megarl selects once per optimizer step
+    on the whole batch, so with π_old's log-probs (equal to the current ones on the first update).
+    [B, L] -> [B, L] (0 off the mask).
+    """
+    m = mask.bool()
+    a_mean, l_mean = adv[m].mean(), old_logp[m].mean()
+    return torch.where(m, (adv - a_mean) * (old_logp - l_mean), torch.zeros_like(adv))
+
+
+def clip_cov_selected(
+    cov: torch.Tensor,
+    mask: torch.Tensor,
+    keys: torch.Tensor,
+    ratio: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+) -> torch.Tensor:
+    """Clip-Cov's tokens: candidates have cov_low < cov < cov_high; each is kept when its uniform key
+    is below p = min(1, k / #candidates), k = max(⌊ratio · N⌋, 1), N = loss tokens of the batch.
+
+    verl draws exactly min(k, #candidates) of them at random; the key rule draws k in expectation,
+    and the same keys give the same tokens on any packing or split. [B, L] -> bool [B, L].
+    """
+    m = mask.bool()
+    cand = m & (cov > cov_low) & (cov < cov_high)
+    k = max(int(ratio * float(m.sum())), 1)
+    p = min(1.0, k / max(int(cand.sum()), 1))
+    return cand & (keys < p)
+
+
+def clip_cov(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    selected: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> torch.Tensor:
+    """Clip-Cov: the PPO clip loss with the selected tokens detached (their loss and gradient 0).
+
+    ℓ = max(−rA, −clip(r, 1−ε_low, 1+ε_high) A) · (1 − sel)
+    Provenance: code, verl ``compute_policy_loss_clip_cov`` (Cui et al. 2025, "The Entropy Mechanism
+    of Reinforcement Learning for Reasoning Language Models", arXiv 2505.22617). verl leaves out of
+    the draw tokens PPO already clips; their gradient is 0 either way, only their loss value differs.
+    """
+    return ppo_clip(logp, old_logp, adv, eps_low, eps_high) * (~selected).to(logp.dtype)
+
+
+def kl_cov_selected(cov: torch.Tensor, mask: torch.Tensor, ratio: float = 2e-4) -> torch.Tensor:
+    """KL-Cov's tokens: cov ≥ the k-th largest covariance of the batch, k = max(⌊ratio · N⌋, 1)
+    (ties at the threshold are all kept). [B, L] -> bool [B, L]."""
+    m = mask.bool()
+    k = max(int(ratio * float(m.sum())), 1)
+    tau = torch.topk(cov[m], min(k, int(m.sum()))).values[-1]
+    return m & (cov >= tau)
+
+
+def kl_cov(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    selected: torch.Tensor,
+    kl_coef: float = 1.0,
+) -> torch.Tensor:
+    """KL-Cov: the unclipped surrogate, plus |logp − old| on the selected tokens.
+
+    ℓ = −A r + β |logp − old| · sel
+    Provenance: code, verl ``compute_policy_loss_kl_cov`` (Cui et al. 2025, arXiv 2505.22617).
+    """
+    d = logp - old_logp
+    return -adv * torch.exp(d) + kl_coef * d.abs() * selected.to(logp.dtype)
+
+
+# --------------------------------------------------------------------------------------- bypass
+
+
+def bypass_reinforce(
+    logp: torch.Tensor,
+    roll_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    is_level: str = "token",
+    is_threshold: float = 2.0,
+) -> torch.Tensor:
+    """REINFORCE on the rollout's samples, π_old = π_rollout (no recomputed old log-probs):
+
+    ℓ = −sg(w) · A · logp, w = min(π_θ/π_roll, C) per token (``token``), per sequence as the product
+    of the token ratios (``sequence``), or 1 (``none``: plain REINFORCE).
+    Provenance: code, verl ``compute_policy_loss_bypass_mode`` with loss_type ``reinforce``
+    (``compute_policy_loss_reinforce``, truncated IS weights).
+    """
+    d = (logp - roll_logp).detach()
+    if is_level == "none":
+        w = torch.ones_like(logp)
+    elif is_level == "token":
+        w = torch.clamp(torch.exp(d), max=is_threshold)
+    elif is_level == "sequence":
+        s = (d * mask.to(d.dtype)).sum(-1, keepdim=True)
+        w = torch.clamp(torch.exp(s), max=is_threshold).expand_as(logp)
+    else:
+        raise ValueError(f"is_level={is_level!r}; allowed: none, token, sequence")
+    return -w * adv * logp
