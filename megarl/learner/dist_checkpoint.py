@@ -29,6 +29,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from megarl.launch.lifeline import exit_when_parent_dies, forks_die_with_parent
 from megarl.learner.learner import Learner
 
 # chained_optim_avoid_prefix: the dense and expert optimizers (EP > 1) save their per-parameter state
@@ -348,6 +349,34 @@ def stop_signals_blocked_in_helpers() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+_writer_manager = None  # the Manager behind megatron's results queue (kept alive with it)
+
+
+def _install_writer_results_queue() -> None:
+    """Give megatron's checkpoint writer a results queue whose Manager server dies with this process.
+
+    megatron makes that queue itself on first use (``filesystem_async._get_write_results_queue``:
+    a spawned ``multiprocessing`` Manager that lives on across saves) and nothing ends the server
+    when the trainer is SIGKILLed; with the stop signals blocked it would not even end on SIGTERM.
+    Here the server gets a thread that exits it once its parent is gone (``exit_when_parent_dies``;
+    not ``PR_SET_PDEATHSIG``, which fires when the *thread* that started the child ends).
+    """
+    global _writer_manager
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:  # made already, or not used
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=exit_when_parent_dies, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = manager
+
+
 def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
     """Save the learner (collective). Refuses to overwrite an existing ``ckpt_dir``."""
     from megatron.core import dist_checkpointing
@@ -364,7 +393,10 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
     state = _sharded_state(learner, is_loading=False)
     state["scheduler"] = learner.scheduler.state_dict()
     state["step"] = learner.step
-    with stop_signals_blocked_in_helpers():
+    # The writer's helpers ignore the stop signals and die with this process (SIGKILL included):
+    # forked bucket writers by PR_SET_PDEATHSIG, the Manager server by its own watch on its parent.
+    with stop_signals_blocked_in_helpers(), forks_die_with_parent():
+        _install_writer_results_queue()
         dist_checkpointing.save(state, tmp)
     if dist.get_rank() == 0:
         meta = {
