@@ -18,7 +18,10 @@ class RunContext:
     ``make_learner(hf_config, weights_dir, trainable=False)`` -> a learner under the run's layout;
     init_dir: the initial policy (HF safetensors); engine: rank 0's rollout engine; score:
     ``score(texts, answers)`` -> the run's reward result (named dims, weighted scalar); sampling:
-    ``sampling(step, round, index)`` -> the run's seeded ``SamplingParams``.
+    ``sampling(step, round, index)`` -> the run's seeded ``SamplingParams``; groups: the run's
+    process groups (a part that builds its own model under the run's layout); dp_share:
+    ``dp_share(batch)`` -> this data-parallel replica's share of whole groups; dp_group: the
+    data-parallel group (None with one replica).
     """
 
     cfg: Any
@@ -32,6 +35,9 @@ class RunContext:
     score: Callable[[list[str], list[str]], Any] | None = None
     sampling: Callable[..., Any] | None = None
     knobs: Any = None
+    groups: Any = None
+    dp_share: Callable[[Any], Any] | None = None
+    dp_group: Any = None
 
     def with_knobs(self, knobs: Any) -> RunContext:
         """A copy of this context carrying ``knobs`` (a part's knobs dataclass, or None)."""

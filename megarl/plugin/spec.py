@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from megarl.batch import PackedBatch
@@ -24,6 +25,16 @@ class StepHook(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class ShardedState(Protocol):
+    """A step hook that owns a model (a critic, a second policy): its sharded state is saved in a
+    folder of every run checkpoint and loaded from it on resume (both collective)."""
+
+    def save_sharded(self, directory: Path) -> None: ...
+
+    def load_sharded(self, directory: Path) -> None: ...
 
 
 @dataclass

@@ -21,7 +21,7 @@ from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.plugin.inputs import INPUT_PROVIDERS, RolloutInfo, provider_for
 from megarl.plugin.knobs import build_knobs
-from megarl.plugin.spec import MethodParts
+from megarl.plugin.spec import MethodParts, ShardedState, StepHook
 
 
 @runtime_checkable
@@ -121,6 +121,8 @@ class MethodRuntime:
                 continue
             built = provider.build(ctx.with_knobs(provider_knobs(ctx.cfg, provider)), frozenset(names))
             (rt.learner_passes if provider.stage == "learner" else rt.batch_fillers).append(built)
+            if isinstance(built, StepHook):  # a provider that owns a trained model (e.g. a critic)
+                rt.step_hooks.append(built)
         return rt
 
     def build_rank0_side(self, ctx: Any, spec: Any = None, method_knobs: Any = None) -> None:
@@ -163,6 +165,15 @@ class MethodRuntime:
         return out
 
     # ------------------------------------------------------------------ checkpoints
+    def sharded_parts(self) -> list[tuple[str, ShardedState]]:
+        """The step hooks with sharded state, each with its folder name in a run checkpoint."""
+        return [(f"hook_{i}", h) for i, h in enumerate(self.step_hooks) if isinstance(h, ShardedState)]
+
+    def load_sharded(self, ckpt: Any) -> None:
+        """Load every sharded part from run checkpoint ``ckpt`` (collective)."""
+        for name, part in self.sharded_parts():
+            part.load_sharded(ckpt / name)
+
     def state_dict(self) -> dict:
         """The estimator's state and every round processor's and hook's (rank 0's view)."""
         return {

@@ -554,6 +554,60 @@ def case_replay(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
     }
 
 
+def _critic_once(args, layout_name: str, moe: bool, num_micro: int):
+    """Two value-loss steps of a critic (value head, trunk from the HF model) on one global batch;
+    (reported value losses, values before, values after, reference losses from reference/critics)."""
+    import json
+
+    from megarl.learner.value_model import build_value_learner, compute_values
+    from megarl.objectives.value_losses import ValueObjective
+    from reference.critics import value_loss
+
+    _, d = make_hf_model(moe, args.workdir)
+    with open(os.path.join(d, "config.json")) as f:
+        hf = json.load(f)
+    groups = initialize_parallel(LAYOUTS[layout_name])
+    ln = build_value_learner(hf, groups, OptimConfig(lr=1e-2, clip_grad=1.0, adam_eps=1e-6), d)
+    batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    g = torch.Generator().manual_seed(5)
+    batch.returns = torch.rand(batch.num_tokens, generator=g) * batch.loss_mask
+    batch.values = 0.3 * torch.randn(batch.num_tokens, generator=g) * batch.loss_mask  # V_old
+    before = compute_values(ln, batch)
+    objective = ValueObjective("clipped", clip=0.2)
+    losses, ref = [], []
+    for _ in range(2):
+        now = compute_values(ln, batch)
+        ref.append(float(value_loss(now, batch.values, batch.returns, batch.loss_mask, "clipped", 0.2)))
+        losses.append(ln.train_step(dp_shard(batch, ln), objective, num_micro_batches=num_micro))
+    return losses, before, compute_values(ln, batch), ref
+
+
+def case_critic(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
+    """A critic under ``layout_name`` matches the tp1 reference layout (DP over the world, one
+    micro-batch): value losses, grad norms and values after two steps; the reported value loss equals
+    reference/critics.value_loss on the critic's own values; the values moved."""
+    key = "critic-moe" if moe else "critic-dense"
+    if key not in _REF:
+        _REF[key] = _critic_once(args, "tp1", moe, 1)
+    ref_m, _, ref_after, _ = _REF[key]
+    m, before, after, ref_loss = _critic_once(args, layout_name, moe, num_micro)
+    d_loss = max(abs(a["value_loss"] - b["value_loss"]) for a, b in zip(m, ref_m))
+    d_ref = max(abs(a["value_loss"] - r) for a, r in zip(m, ref_loss))
+    d_gn = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(m, ref_m))
+    d_val = max_over_world(float((after - ref_after).abs().max()))
+    moved = float((after - before).abs().max())
+    return {
+        "value_loss": [x["value_loss"] for x in m],
+        "grad_norm": [x["grad_norm"] for x in m],
+        "d_value_loss": d_loss,
+        "d_reference": d_ref,
+        "d_grad_norm": d_gn,
+        "d_values": d_val,
+        "moved": moved,
+        "ok": d_loss <= 1e-5 and d_ref <= 1e-5 and d_gn <= 1e-4 and d_val <= 1e-4 and moved > 1e-3,
+    }
+
+
 def case_groups(args, moe: bool, layout_name: str) -> dict:
     """Switching layouts again and again, with a model built under each, must not pile up
     communicator threads: each layout's groups are made once per process and reused (megatron
@@ -764,6 +818,7 @@ CASES = {
     "export": case_export,
     "objective": case_objective,
     "replay": case_replay,
+    "critic": case_critic,
 }
 
 

@@ -1,0 +1,163 @@
+"""The ``values`` batch input: a Megatron critic that scores every token and trains beside the policy.
+
+A provider of the seam (stage ``learner``) that is also a step hook: before the policy update it
+fills ``batch.values`` [T] with the critic's values (V_old, what GAE reads); after the policy's
+optimizer steps it takes ``epochs`` optimizer steps of the value loss toward ``batch.returns`` (the
+targets GAE wrote) on its own data-parallel share. The critic is the policy's architecture with a
+scalar head (megarl.learner.value_model), under the run's TP/PP/EP layout, with its own Adam state,
+initialised from the policy's initial weights (``init: policy``) or randomly; its sharded state is
+saved in every run checkpoint and restored on resume.
+
+Knobs (``inputs.values.<knob>``): lr, value_loss (mse | clipped | huber), value_clip, huber_delta,
+epochs, init (policy | random), bounds ([low, high]: values squashed into the reward range),
+whiten_advantages (batch whitening of the advantages before the policy update).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.batch import PackedBatch
+from megarl.objectives.api import GlobalNormalisers
+from megarl.objectives.value_losses import VALUE_LOSS_KINDS, ValueObjective
+from megarl.plugin.inputs import InputProvider, register_provider
+from megarl.plugin.knobs import Knobs
+
+
+@dataclass
+class CriticKnobs(Knobs):
+    """See the module docstring."""
+
+    lr: float = 1.0e-3
+    value_loss: str = "clipped"
+    value_clip: float = 0.2
+    huber_delta: float = 1.0
+    epochs: int = 1
+    init: str = "policy"
+    bounds: list | None = None
+    whiten_advantages: bool = False
+
+    def check(self) -> None:
+        """Ranges and names."""
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.value_loss not in VALUE_LOSS_KINDS:
+            raise ValueError(f"value_loss={self.value_loss!r}; known: {', '.join(VALUE_LOSS_KINDS)}")
+        if not self.value_clip > 0 or not self.huber_delta > 0:
+            raise ValueError("value_clip and huber_delta must be > 0")
+        if self.epochs < 1:
+            raise ValueError(f"epochs={self.epochs} must be >= 1")
+        if self.init not in ("policy", "random"):
+            raise ValueError(f"init={self.init!r}; known: policy, random")
+        if self.bounds is not None and (len(self.bounds) != 2 or not self.bounds[0] < self.bounds[1]):
+            raise ValueError(f"bounds={self.bounds} must be [low, high] with low < high")
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the loss tokens of the batch (unbiased std); 0 off the mask."""
+    m = mask.bool()
+    v = x[m].double()
+    if v.numel() < 2 or bool(v.max() == v.min()):
+        return torch.zeros_like(x)
+    out = (x.double() - v.mean()) / (v.std() + eps)
+    return (out * m).to(x.dtype)
+
+
+class Critic:
+    """The critic learner with its fill (values) and hook (training) sides; see the module docstring."""
+
+    def __init__(self, ctx: Any, knobs: CriticKnobs):
+        from megarl.learner.value_model import build_value_learner
+
+        cfg = ctx.cfg
+        optim = dataclasses.replace(cfg.optimizer, lr=knobs.lr, min_lr=0.0)
+        self.learner = build_value_learner(
+            ctx.hf_config,
+            ctx.groups,
+            optim,
+            str(ctx.init_dir) if knobs.init == "policy" else None,
+            torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32,
+            cfg.model.seed + 1,
+            tuple(knobs.bounds) if knobs.bounds is not None else None,
+        )
+        self.knobs, self.ctx = knobs, ctx
+        self.objective = ValueObjective(knobs.value_loss, knobs.value_clip, knobs.huber_delta)
+        self.micro_batches = cfg.schedule.micro_batches
+        self._batch: PackedBatch | None = None
+
+    # ---------------------------------------------------------------- input provider
+    def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
+        """``batch.values`` [T] from the critic (collective)."""
+        from megarl.learner.value_model import compute_values
+
+        batch.values = compute_values(self.learner, batch, micro_batches)
+        m = batch.loss_mask.bool()
+        return {"critic/values_old": float(batch.values[m].mean()) if bool(m.any()) else 0.0}
+
+    # ---------------------------------------------------------------- step hook
+    def before_train(self, step: int, batch: PackedBatch) -> PackedBatch:
+        """Keep the batch (values, returns) for the critic's update; whiten advantages if asked."""
+        if batch.returns is None:
+            raise ValueError(
+                "inputs.values: the critic trains toward batch.returns, which this run's advantage "
+                "estimator does not write (use advantage.estimator: gae)"
+            )
+        if self.knobs.whiten_advantages:
+            batch.advantages = whiten(batch.advantages, batch.loss_mask)
+        self._batch = batch
+        return batch
+
+    def after_step(self, step: int, metrics: dict) -> dict[str, float]:
+        """``epochs`` critic optimizer steps on this replica's share; their last metrics."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return {}
+        local = self.ctx.dp_share(batch)
+        norms = GlobalNormalisers.from_batch(local, self.ctx.dp_group)
+        micro = max(1, min(self.micro_batches, local.num_seqs))
+        out: dict[str, float] = {}
+        for _ in range(self.knobs.epochs):
+            out = self.learner.train_step(local, self.objective, micro, norms)
+        m = batch.loss_mask.bool()
+        ret, old = batch.returns[m].double(), batch.values[m].double()
+        var = float(ret.var()) if ret.numel() > 1 else 0.0
+        explained = 1.0 - float((ret - old).var()) / var if var > 0 else 0.0
+        keep = ("value_loss", "value_clipfrac", "value_mean", "value_abs_error", "grad_norm", "lr")
+        res = {f"critic/{k}": out[k] for k in keep if k in out}
+        res["critic/explained_variance"] = explained
+        return res
+
+    def state_dict(self) -> dict:
+        """Nothing beside the sharded state (``save_sharded``)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing beside the sharded state (``load_sharded``)."""
+
+    def save_sharded(self, directory: Path) -> None:
+        """The critic's model, optimizer and scheduler (collective)."""
+        from megarl.learner.dist_checkpoint import save_checkpoint
+
+        save_checkpoint(self.learner, directory)
+
+    def load_sharded(self, directory: Path) -> None:
+        """Restore ``save_sharded`` (collective; any layout)."""
+        from megarl.learner.dist_checkpoint import load_checkpoint
+
+        load_checkpoint(self.learner, directory)
+
+
+VALUES = register_provider(
+    InputProvider(
+        ("values",),
+        "learner",
+        lambda ctx, names: Critic(ctx, ctx.knobs),
+        knobs=CriticKnobs,
+        summary="a Megatron critic (value head on the policy's architecture), trained beside the policy",
+    )
+)
