@@ -28,6 +28,8 @@ class PartInfo:
     needs_context: the part takes ``batch=`` and ``ctx=`` keywords.
     needs_entropy: the part takes the current policy's full-vocab entropy as ``entropy=``.
     aggregates_itself: a regulariser that returns its globally normalised scalar itself.
+    group_relative: an advantage estimator that scores each sample against the other samples of its
+        prompt's group, so a group of one sample gets advantage 0 (the config refuses rollout.n=1).
     """
 
     batch_inputs: tuple[str, ...] = ()
@@ -37,6 +39,7 @@ class PartInfo:
     needs_context: bool = False
     needs_entropy: bool = False
     aggregates_itself: bool = False
+    group_relative: bool = False
 
 
 class Registry(Generic[F]):

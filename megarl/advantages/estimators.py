@@ -137,17 +137,17 @@ def per_token(batch: PackedBatch, per_seq: torch.Tensor) -> torch.Tensor:
     return broadcast_to_tokens(per_seq, batch.cu_seqlens) * batch.loss_mask.double()
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@ADVANTAGE_ESTIMATORS.register("grpo", group_relative=True)
 def _grpo(batch: PackedBatch, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     return per_token(batch, grpo(scalar_rewards(batch), batch.group_ids, scale_by_std, eps))
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", group_relative=True)
 def _dr_grpo(batch: PackedBatch) -> torch.Tensor:
     return per_token(batch, dr_grpo(scalar_rewards(batch), batch.group_ids))
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@ADVANTAGE_ESTIMATORS.register("rloo", group_relative=True)
 def _rloo(batch: PackedBatch) -> torch.Tensor:
     return per_token(batch, rloo(scalar_rewards(batch), batch.group_ids))
 
@@ -160,7 +160,7 @@ def _reinforce_pp(batch: PackedBatch, kl_coef: float = 0.0, gamma: float = 1.0) 
     return reinforce_pp(batch, kl, kl_coef, gamma)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline", group_relative=True)
 def _reinforce_pp_baseline(batch: PackedBatch) -> torch.Tensor:
     return reinforce_pp_baseline(batch)
 

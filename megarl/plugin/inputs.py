@@ -50,13 +50,16 @@ class BatchFiller(Protocol):
 class InputProvider:
     """``build(ctx, names)`` -> a ``LearnerPass``, ``BatchFiller`` or ``RoundProcessor`` (by ``stage``)
     that fills ``names`` (a subset of ``provides``). ``knobs``: the dataclass of its knobs, set
-    in the config as ``inputs.<name>``; ``rank0_only``: built on rank 0 only (round providers)."""
+    in the config as ``inputs.<name>``; ``rank0_only``: built on rank 0 only (round providers).
+    ``moved_from``: (old dotted config key, knob) pairs of keys older configs wrote elsewhere; a
+    config that still writes one is refused with a message naming ``inputs.<name>.<knob>``."""
 
     provides: tuple[str, ...]
     stage: Stage
     build: Callable[..., Any]
     knobs: type | None = None
     summary: str = ""
+    moved_from: tuple[tuple[str, str], ...] = ()
 
 
 INPUT_PROVIDERS: dict[str, InputProvider] = {}

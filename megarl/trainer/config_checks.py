@@ -5,57 +5,43 @@ and the world size (``check_layout``, at setup).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from megarl.faults.config import validate_faults
 from megarl.rewards.correctness import correctness_index
+from megarl.trainer.config_ranges import check_ranges
 from megarl.trainer.config_sections import ConfigError, TrainConfig
 
 
-def _positive(key: str, v: float, strict: bool = True) -> None:
-    if (v <= 0) if strict else (v < 0):
-        raise ConfigError(f"{key}={v} must be {'> 0' if strict else '>= 0'}")
-
-
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that need no model: sizes, part names and their knobs."""
-    from megarl.advantages import ADVANTAGE_ESTIMATORS
-    from megarl.catalogue import load_builtin
-    from megarl.plugin.knobs import check_call_knobs
-
-    load_builtin()
-
+    """Cross-field checks that need no model: ranges, sizes, part names and their knobs."""
+    check_ranges(cfg)  # plain arithmetic: before the part registries (and torch) are imported
     s, r = cfg.schedule, cfg.rollout
-    for key, v in (
-        ("schedule.steps", s.steps),
-        ("schedule.prompts_per_step", s.prompts_per_step),
-        ("schedule.ppo_epochs", s.ppo_epochs),
-        ("schedule.mini_batches", s.mini_batches),
-        ("schedule.micro_batches", s.micro_batches),
-        ("rollout.n", r.n),
-        ("rollout.max_new_tokens", r.max_new_tokens),
-        ("checkpoint.every", cfg.checkpoint.every),
-        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
-        ("sampling.max_rounds", cfg.sampling.max_rounds),
-        ("logging.print_every", cfg.logging.print_every),
-        ("schedule.eval_k", s.eval_k),
-    ):
-        _positive(key, v)
-    _positive("warmup.sft_steps", cfg.warmup.sft_steps, strict=False)
-    _positive("async_loop.max_staleness", cfg.async_loop.max_staleness, strict=False)
     if cfg.data.chat_template and cfg.model.tokenizer != "hf":
         raise ConfigError(
             "data.chat_template=true needs model.tokenizer='hf' (a tokenizer with a chat template)"
         )
-    _positive("reward.timeout_s", cfg.reward.timeout_s)
-    _positive("rollout.temperature", r.temperature, strict=False)
     if s.mini_batches > s.prompts_per_step:
         raise ConfigError(
             f"schedule.mini_batches={s.mini_batches} must be <= schedule.prompts_per_step="
             f"{s.prompts_per_step} (mini-batches hold whole groups)"
         )
+    from megarl.advantages import ADVANTAGE_ESTIMATORS
+    from megarl.catalogue import load_builtin
+    from megarl.plugin.knobs import check_call_knobs
+
+    load_builtin()
     if cfg.advantage.estimator not in ADVANTAGE_ESTIMATORS:
         raise ConfigError(
             f"advantage.estimator={cfg.advantage.estimator!r}; allowed: "
             f"{', '.join(ADVANTAGE_ESTIMATORS.names())}"
+        )
+    if r.n < 2 and ADVANTAGE_ESTIMATORS.info(cfg.advantage.estimator).group_relative:
+        raise ConfigError(
+            f"rollout.n={r.n} with advantage.estimator={cfg.advantage.estimator!r}: the estimator is "
+            "group-relative (each sample against the other samples of its prompt), so with one sample "
+            "per prompt every advantage and gradient is 0; rollout.n must be >= 2"
         )
     fn = ADVANTAGE_ESTIMATORS.get(cfg.advantage.estimator)
     try:
@@ -122,8 +108,6 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
             build_reward_shaping({"shaping": cfg.reward.shaping})
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e) if "reward.shaping" in str(e) else f"reward.shaping: {e}") from None
-    _positive("reward.judge.timeout_s", cfg.reward.judge.timeout_s)
-    _positive("environment.max_turns", cfg.environment.max_turns)
     if cfg.environment.name not in WORKFLOWS:
         raise ConfigError(
             f"environment.name={cfg.environment.name!r}; allowed: {', '.join(WORKFLOWS.names())}"
@@ -140,7 +124,6 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"environment.feedback={cfg.environment.feedback!r}: only {{prompt}} may be used ({e!r})"
         ) from None
-    _positive("reward.judge.max_new_tokens", cfg.reward.judge.max_new_tokens)
     try:
         spec = method_of(cfg)
         required_inputs(cfg, spec)
@@ -168,26 +151,23 @@ def method_knobs(cfg: TrainConfig, spec) -> object:
     return build_knobs(spec.knobs, raw, "method")
 
 
-def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int) -> None:
-    """Impossible layouts fail here, before any process group exists: TP must divide the heads and
-    the vocabulary, EP the experts, PP the layers, and tp*pp*cp the world size."""
+def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int | None) -> None:
+    """Impossible layouts fail here, before any process group exists: TP must divide the heads, the
+    KV heads and the vocabulary, EP the experts, PP the layers, and tp*pp*cp the world size
+    (``world_size`` None: not known yet, e.g. ``megarl train --check``; those checks are skipped)."""
     p = cfg.parallel
-    for key in ("tp", "pp", "ep", "cp"):
-        _positive(f"parallel.{key}", getattr(p, key))
-    if p.world_size and p.world_size != world_size:
-        raise ConfigError(f"parallel.world_size={p.world_size} but this job has {world_size} process(es)")
-    mp = p.tp * p.pp * p.cp
-    if world_size % mp:
-        raise ConfigError(f"parallel: tp*pp*cp={mp} must divide the world size {world_size}")
     heads = int(hf_config.get("num_attention_heads", 0))
     kv = int(hf_config.get("num_key_value_heads") or heads)
     vocab = int(hf_config.get("vocab_size", 0))
     layers = int(hf_config.get("num_hidden_layers", 0))
     experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
     if heads % p.tp or kv % p.tp:
+        # megatron-core also runs tp a multiple of the KV heads (each KV head replicated on tp/kv
+        # ranks), but megarl's HF weight loading splits the KV heads over the TP ranks
         raise ConfigError(
             f"parallel.tp={p.tp} must divide num_attention_heads={heads} and "
-            f"num_key_value_heads={kv}; allowed tp: {_divisors_of_both(heads, kv)}"
+            f"num_key_value_heads={kv}; allowed tp: {_divisors_of_both(heads, kv)} "
+            "(the KV heads are split over the TP ranks, not replicated)"
         )
     if vocab % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide vocab_size={vocab}")
@@ -207,11 +187,36 @@ def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int) -> None:
         )
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if world_size is None:
+        return
+    if p.world_size and p.world_size != world_size:
+        raise ConfigError(f"parallel.world_size={p.world_size} but this job has {world_size} process(es)")
+    mp = p.tp * p.pp * p.cp
+    if world_size % mp:
+        raise ConfigError(f"parallel: tp*pp*cp={mp} must divide the world size {world_size}")
     if cfg.schedule.prompts_per_step % max(world_size // mp, 1):
         raise ConfigError(
             f"schedule.prompts_per_step={cfg.schedule.prompts_per_step} must be divisible by the "
             f"data-parallel size {world_size // mp}"
         )
+
+
+def layout_hf_config(cfg: TrainConfig) -> dict:
+    """The model shapes ``check_layout`` reads, without torch: ``model.hf_dir``'s config.json or
+    ``model.hf_config``, with the char tokenizer's vocabulary size when the config has none."""
+    if cfg.model.hf_dir is not None:
+        path = Path(cfg.model.hf_dir) / "config.json"
+        try:
+            hf = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.hf_dir: cannot read {path}: {e}") from None
+    else:
+        hf = dict(cfg.model.hf_config)
+    if cfg.model.tokenizer == "char" and "vocab_size" not in hf:
+        from megarl.data.tokenizer import CharTokenizer
+
+        hf["vocab_size"] = CharTokenizer(cfg.model.alphabet).vocab_size
+    return hf
 
 
 def _divisors_of_both(a: int, b: int) -> str:

@@ -16,7 +16,8 @@ from typing import Any
 
 from megarl.trainer import config_sections as C
 from megarl.trainer.config_loading import type_name
-from megarl.trainer.config_migrations import MOVED
+from megarl.trainer.config_migrations import moved_keys
+from megarl.trainer.config_ranges import range_text
 
 # Meanings of the keys whose dataclass field has no comment.
 MEANINGS: dict[str, str] = {
@@ -78,7 +79,7 @@ MEANINGS: dict[str, str] = {
     "optimizer.adam_beta1": "Adam beta1",
     "optimizer.adam_beta2": "Adam beta2",
     "optimizer.adam_eps": "Adam epsilon",
-    "optimizer.clip_grad": "global gradient-norm clip (0 = off)",
+    "optimizer.clip_grad": "global gradient-norm clip; 0 = no clipping (a negative value is refused)",
     "optimizer.lr_warmup_steps": "linear LR warm-up, in optimizer steps",
     "optimizer.lr_decay_steps": "LR decay length in optimizer steps (0 = constant after warm-up)",
     "optimizer.lr_decay_style": "shape of the LR decay",
@@ -232,8 +233,9 @@ def render() -> str:
     )
     usage = (
         "Keys are written as in the YAML (`section.key`) or as `section.key=value` overrides on the command "
-        "line. Unknown keys and wrong types fail at start with one message naming the key; `Literal` types "
-        "list the allowed values. `advantage:` takes the estimator's own knobs beside `estimator` "
+        "line. Unknown keys, wrong types and numbers outside the `allowed` range fail at start with one "
+        "message naming the key and what is allowed; `Literal` types list the allowed values. A number in "
+        "scientific notation (`1e-4`, which YAML reads as a string) is read as a number for number keys. `advantage:` takes the estimator's own knobs beside `estimator` "
         "(checked against its signature)."
     )
     out = ["# Configuration reference", "", intro, "", usage, ""]
@@ -245,9 +247,9 @@ def render() -> str:
                 "",
                 MEANINGS[f.name] + ".",
                 "",
-                "| key | type | default | meaning |",
-                "|---|---|---|---|",
-                f"| `{f.name}` | {type_name(cls)} | {_fmt_default(_default(f))} | {MEANINGS[f.name]} |",
+                "| key | type | allowed | default | meaning |",
+                "|---|---|---|---|---|",
+                f"| `{f.name}` | {type_name(cls)} | | {_fmt_default(_default(f))} | {MEANINGS[f.name]} |",
                 "",
             ]
             continue
@@ -256,22 +258,22 @@ def render() -> str:
             "",
             _section_doc(cls),
             "",
-            "| key | type | default | meaning |",
-            "|---|---|---|---|",
+            "| key | type | allowed | default | meaning |",
+            "|---|---|---|---|---|",
         ]
         for key, tp, default, meaning in rows(cls, f.name + "."):
-            out.append(f"| `{key}` | {tp} | {default} | {meaning} |")
+            out.append(f"| `{key}` | {tp} | {range_text(key)} | {default} | {meaning} |")
         for lkey, item in LIST_ITEMS.items():
             if lkey.startswith(f.name + "."):
                 out += [
                     "",
                     f"Each item of `{lkey}`: {_section_doc(item)}",
                     "",
-                    "| key | type | default | meaning |",
-                    "|---|---|---|---|",
+                    "| key | type | allowed | default | meaning |",
+                    "|---|---|---|---|---|",
                 ]
                 for key, tp, default, meaning in rows(item, lkey + "[]."):
-                    out.append(f"| `{key}` | {tp} | {default} | {meaning} |")
+                    out.append(f"| `{key}` | {tp} | {range_text(key)} | {default} | {meaning} |")
         out.append("")
     out += _removed_keys()
     return "\n".join(out)
@@ -288,8 +290,7 @@ def _removed_keys() -> list[str]:
         "| old key | new key |",
         "|---|---|",
     ]
-    for moves in MOVED.values():
-        out += [f"| `{old}` | `{new}` |" for old, new in moves.items()]
+    out += [f"| `{old}` | `{new}` |" for old, new in moved_keys().items()]
     return out + [""]
 
 

@@ -21,9 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from megarl.trainer.config import ConfigError, load_config
+    from megarl.trainer.config_checks import check_layout, layout_hf_config
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.check:  # the run checks the layout at setup, when the world size is known
+            world = os.environ.get("WORLD_SIZE")
+            check_layout(cfg, layout_hf_config(cfg), int(world) if world else cfg.parallel.world_size or None)
     except ConfigError as e:
         print(f"megarl train: config error: {e}", file=sys.stderr)
         return 2

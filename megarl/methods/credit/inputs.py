@@ -99,5 +99,6 @@ register_provider(
         lambda ctx, names: AnswerCheckpointsFiller(ctx.tokenizer, ctx.knobs),
         knobs=AnswerCheckpointKnobs,
         summary="intermediate answer commitments",
+        moved_from=(("credit.answer_pattern", "pattern"),),  # the config's `credit` section, removed
     )
 )

@@ -118,7 +118,7 @@ def _rrpo(batch, scale_by_std: bool = False) -> torch.Tensor:
     return per_token(batch, grpo(batch.extras["rrpo_scores"].double(), batch.group_ids, scale_by_std))
 
 
-ADVANTAGE_ESTIMATORS.add("rrpo", _rrpo, PartInfo(batch_inputs=("rrpo_scores",)))
+ADVANTAGE_ESTIMATORS.add("rrpo", _rrpo, PartInfo(batch_inputs=("rrpo_scores",), group_relative=True))
 
 SPEC = MethodSpec(
     name="rrpo",

@@ -12,6 +12,7 @@ goes to ``extras["rrpo_scores"]`` for the ``rrpo`` estimator.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -192,5 +193,7 @@ register_provider(
         build_scorer,
         knobs=RRPOKnobs,
         summary="RRPO's anchor-alignment scores (rank 0, each round)",
+        # the knobs were the config's `credit.rrpo` section before methods became plugins
+        moved_from=tuple((f"credit.rrpo.{f.name}", f.name) for f in dataclasses.fields(RRPOKnobs)),
     )
 )

@@ -32,7 +32,7 @@ def _softmax_grpo(batch, temperature: float = 1.0) -> torch.Tensor:
     return per_token(batch, softmax_grpo(scalar_rewards(batch), batch.group_ids, temperature))
 
 
-ADVANTAGE_ESTIMATORS.add("softmax_grpo", _softmax_grpo, PartInfo())
+ADVANTAGE_ESTIMATORS.add("softmax_grpo", _softmax_grpo, PartInfo(group_relative=True))
 
 SPEC = MethodSpec(
     name="softmax_grpo",
