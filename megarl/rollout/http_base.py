@@ -119,7 +119,7 @@ class HttpEngine(RolloutEngine):
                 f"{self.name}: {method} {path} timed out ({type(e).__name__})"
             ) from e
         if resp.status_code >= 400:
-            self._raise_for_status(method, path, resp)
+            self._raise_for_status(method, path, resp, sent_key=bool(self._headers(admin)))
         if not expect_json:
             return resp.text
         if not resp.content:
@@ -129,10 +129,15 @@ class HttpEngine(RolloutEngine):
         except ValueError:
             return resp.text
 
-    def _raise_for_status(self, method: str, path: str, resp: httpx.Response) -> None:
+    def _raise_for_status(self, method: str, path: str, resp: httpx.Response, sent_key: bool = True) -> None:
         msg = f"{self.name}: {method} {path} -> HTTP {resp.status_code}: {_error_message(resp)}"
         code = resp.status_code
         if code in (401, 403):
+            if not sent_key:
+                msg += (
+                    " (no key was sent: give the trainer the servers' keys with rollout.key_file or "
+                    "MEGARL_ROLLOUT_KEY_FILE, or MEGARL_ROLLOUT_API_KEY + MEGARL_ROLLOUT_ADMIN_KEY)"
+                )
             raise AuthError(msg)
         if code in (400, 404, 413, 422):
             raise BadRequestError(msg)

@@ -54,6 +54,9 @@ class RolloutConfig:
 
     engine: Literal["embedded", "vllm", "sglang"] = "embedded"
     urls: list = field(default_factory=list)
+    # urls: the servers' keys, a JSON file {"api_key", "admin_key"} of mode 0600 (else the environment:
+    # MEGARL_ROLLOUT_KEY_FILE, or MEGARL_ROLLOUT_API_KEY + MEGARL_ROLLOUT_ADMIN_KEY; docs/trainer.md)
+    key_file: str | None = None
     n: int = 8  # samples per prompt (the group size)
     temperature: float = 1.0
     top_p: float = 1.0

@@ -1,6 +1,8 @@
-"""Rollout servers a run starts itself (``rollout.launch: true``): one vLLM server on this node,
-from the vLLM venv, serving the run's initial policy; the trainer then syncs weights into it
-through HF checkpoint directories (``Trainer._sync_weights``).
+"""The rollout servers of a run: servers started by someone else at ``rollout.urls``
+(``connect_servers``, with the keys from a key file or the environment), or one vLLM server the
+run starts itself (``rollout.launch: true``) on this node, from the vLLM venv, serving the run's
+initial policy; the trainer then syncs weights into it through HF checkpoint directories
+(``Trainer._sync_weights``).
 
 A model built in the run with the character tokenizer gets that tokenizer written beside its
 weights as a HF tokenizer (``megarl.data.hf_char_tokenizer``): vLLM's completions route needs one
@@ -13,6 +15,25 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+
+
+def connect_servers(r: Any, log=print) -> Any:
+    """The engine over the servers at ``r.urls`` (``r``: the ``rollout`` section; vLLM or SGLang),
+    presenting the keys from ``r.key_file`` or the environment (``RolloutKeys.for_client``): the
+    generation key on generation routes, the admin key on control routes. Keys never come from
+    the config's own values or the command line (both end up in logs and ``/proc/PID/cmdline``)."""
+    from megarl.rollout import make_engine
+    from megarl.rollout.keys import RolloutKeys
+    from megarl.trainer.config import ConfigError
+
+    try:
+        keys = RolloutKeys.for_client(r.key_file)
+    except (OSError, KeyError, ValueError) as e:
+        raise ConfigError(f"rollout keys: {e.args[0] if isinstance(e, KeyError) else e}") from e
+    if keys is None:
+        log(f"megarl train: no rollout keys set: {r.engine} servers must accept requests without a key")
+        return make_engine(r.urls, kind=r.engine)
+    return make_engine(r.urls, kind=r.engine, api_key=keys.api_key, admin_key=keys.admin_key)
 
 
 def launch_vllm_for_run(
@@ -28,6 +49,12 @@ def launch_vllm_for_run(
     from megarl.rollout.server_process import VLLMServerConfig, default_vllm_python, launch_vllm
 
     r = cfg.rollout
+    if r.key_file:
+        from megarl.trainer.config import ConfigError
+
+        raise ConfigError(
+            "rollout.key_file is for servers at rollout.urls; rollout.launch makes its own server's keys"
+        )
     _name_architecture(Path(model_dir))
     if cfg.model.tokenizer == "char" and not (Path(model_dir) / "tokenizer.json").exists():
         from megarl.data.hf_char_tokenizer import save_hf_char_tokenizer
