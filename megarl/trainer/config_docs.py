@@ -40,8 +40,8 @@ MEANINGS: dict[str, str] = {
     "rollout.top_k": "top-k sampling (-1 = off)",
     "rollout.max_new_tokens": "generation budget per sample (also L_max of seq-mean-token-sum-norm)",
     "rollout.max_concurrency": "requests in flight per engine",
-    "data.train": "training prompts: a jsonl or parquet path or glob",
-    "data.eval": "held-out prompts for evaluation (same formats); empty = no evaluation",
+    "data.train": "training prompts: a jsonl or parquet path or glob (relative: to the config file's directory)",
+    "data.eval": "held-out prompts for evaluation (same formats, paths as data.train); empty = no evaluation",
     "data.prompt_field": "row field holding the prompt",
     "data.answer_field": "row field holding the ground truth (string or number)",
     "data.task_field": "row field naming the task (batch task_ids); missing = 'default'",
@@ -238,7 +238,9 @@ def render() -> str:
         "scientific notation (`1e-4`, which YAML reads as a string) is read as a number for number keys. `advantage:` takes the estimator's own knobs beside `estimator` "
         "(checked against its signature)."
     )
-    out = ["# Configuration reference", "", intro, "", usage, ""]
+    from megarl.trainer.config_layers import docs_section
+
+    out = ["# Configuration reference", "", intro, "", usage, "", *docs_section()]
     for f in dataclasses.fields(C.TrainConfig):
         cls = hints[f.name]
         if not dataclasses.is_dataclass(cls):  # a free-form section, checked by the parts it configures

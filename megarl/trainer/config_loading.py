@@ -201,15 +201,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
-    """Read the YAML file, apply overrides and validate. Relative data paths stay relative to the cwd."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    return from_dict(apply_overrides(data, overrides or []))
+    """Read the YAML file with its ``base:`` layers (relative data paths resolved against the file
+    that writes them; see config_layers), apply overrides (cwd-relative) and validate."""
+    from megarl.trainer.config_layers import read_layered_config
+
+    return from_dict(apply_overrides(read_layered_config(path), overrides or []))
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -21,7 +21,7 @@ NAMES = ["output-reset", "cokl", "gapo", "estr", "sao", "eppo"]
 @pytest.mark.parametrize("name", NAMES)
 def test_example_builds_and_runs(name):
     cfg = yaml.safe_load((DIR / f"{name}.yaml").read_text())
-    assert set(cfg) == {"advantage", "objective"}, f"{name}.yaml: sections {sorted(cfg)}"
+    assert set(cfg) == {"base", "logging", "advantage", "objective"}, f"{name}.yaml: sections {sorted(cfg)}"
     adv = dict(cfg["advantage"])
     assert adv.pop("estimator") in ADVANTAGE_ESTIMATORS
     objective = build_objective(cfg["objective"])

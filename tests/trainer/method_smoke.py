@@ -3,12 +3,15 @@
     python tests/trainer/method_smoke.py --model dense --out results.jsonl [--only gepo,eppo]
     torchrun --nproc-per-node 2 tests/trainer/method_smoke.py --model moe --out results.jsonl
 
-The run is the quickstart (examples/quickstart.yaml or examples/quickstart-moe.yaml), shrunk. The
+Every example names ``base: ../quickstart.yaml`` (a layered config,
+megarl/trainer/config_layers.py); here its base is the quickstart of ``--model``
+(examples/quickstart.yaml or examples/quickstart-moe.yaml), shrunk, and the example is laid over it
+with the loader's own ``merge_layers``, so each example runs as ``megarl train`` would read it. The
 expensive parts are shared by all examples: process group, parallel layout, data, the embedded
 engine and the initial policy (a short supervised warm-up, written once). Per example the real
-trainer code builds what a run builds (``Run.build_learners``: a fresh learner and optimizer
-holding the initial policy, the learner-side method parts, the objective; ``Run.build_rank0_parts``:
-the round processors and the rollout collector), resets the engine to the initial weights and the
+trainer code builds what a run builds (``Run.build_learners``: a fresh learner and optimizer holding
+the initial policy, the learner-side method parts, the objective; ``Run.build_rank0_parts``: the
+round processors and the rollout collector), resets the engine to the initial weights and the
 sampler, and runs ``Trainer.step`` ``--steps`` times.
 
 Per example, rank 0 prints (and appends to ``--out``) one JSON line: the metrics of every step,
@@ -17,15 +20,13 @@ round trip, and ``error`` when the example failed (the loop goes on with the nex
 
 The distillation example's teacher is the policy's architecture with other random weights
 (written once by ``_setup``). The smoke base adds one reward dimension to the quickstart's exact
-match (``format``: the
-response is digits only, weight 0.5), so that two steps of a barely warmed-up model see non-zero
-advantages; examples with their own ``reward.functions`` keep theirs.
+match (``format``: the response is digits only, weight 0.5), so that two steps of a barely warmed-up
+model see non-zero advantages; examples with their own ``reward.functions`` keep theirs.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import io
 import json
 import os
@@ -63,21 +64,12 @@ def example_path(name: str) -> Path:
     return p if p.exists() else PLUGINS / f"{name}.yaml"
 
 
-def merge(base: dict, over: dict) -> dict:
-    """``over``'s sections into ``base``: mappings merged key by key, anything else replaced."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("advantage", "objective"):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
 def base_config(model: str, work: Path, steps: int) -> dict:
     """The quickstart config of ``model``, shrunk to a smoke run under ``work``."""
-    d = yaml.safe_load(QUICKSTART[model].read_text())
-    return merge(
+    from megarl.trainer.config_layers import merge_layers, read_layered_config
+
+    d = read_layered_config(QUICKSTART[model])
+    return merge_layers(
         d,
         {
             "data": {
@@ -111,11 +103,17 @@ def base_config(model: str, work: Path, steps: int) -> dict:
 
 
 def example_config(base: dict, name: str) -> dict:
-    """``base`` with the example's sections spliced in (advantage and objective replaced whole)."""
-    ex = yaml.safe_load(example_path(name).read_text()) or {}
-    d = merge(base, ex)
-    if "reward" in ex and "functions" in ex["reward"]:
-        d["reward"]["functions"] = ex["reward"]["functions"]
+    """The example laid over ``base`` (the smoke quickstart) in place of its own ``base:`` file."""
+    from megarl.trainer.config_layers import merge_layers
+
+    path = example_path(name)
+    ex = yaml.safe_load(path.read_text()) or {}
+    if ex.pop("base", None) != "../quickstart.yaml":
+        raise ValueError(
+            f"{path}: an example must name base: ../quickstart.yaml (its smoke base replaces it)"
+        )
+    d = merge_layers(base, ex)
+    d["logging"] = base["logging"]  # the smoke's run directory, not the example's runs/NAME
     d["reward"].setdefault("judge", {}).setdefault("max_new_tokens", 4)
     return d
 
