@@ -228,6 +228,7 @@ class Trainer:
             "sampler": run.sampler.state_dict(),
             "reward_failures": run.failures_total,
             "policy_version": step,
+            "run_id": run.run_id,
             **self.source.state(),
         }
         path = run_checkpoint.save(

@@ -35,8 +35,10 @@ class MetricsWriter:
         wandb: bool = False,
         wandb_project: str = "megarl",
         config: dict | None = None,
+        run_id: str | None = None,
     ):
         self.run_dir = Path(run_dir)
+        self.run_id = run_id  # written into every record: the records of one run carry its id
         self.path = self.run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb_wanted = tensorboard
@@ -48,8 +50,8 @@ class MetricsWriter:
             self._open_wandb(wandb_project, config)
 
     @classmethod
-    def from_config(cls, run_dir: str | os.PathLike, cfg: Any) -> MetricsWriter:
-        """The writer a ``TrainConfig``'s ``logging`` section asks for."""
+    def from_config(cls, run_dir: str | os.PathLike, cfg: Any, run_id: str | None = None) -> MetricsWriter:
+        """The writer a ``TrainConfig``'s ``logging`` section asks for, for run ``run_id``."""
         from megarl.trainer.config import to_dict
 
         lg = cfg.logging
@@ -59,6 +61,7 @@ class MetricsWriter:
             wandb=lg.wandb,
             wandb_project=lg.wandb_project,
             config=to_dict(cfg) if lg.wandb else None,
+            run_id=run_id,
         )
 
     def _open_tensorboard(self, purge_step: int | None) -> None:
@@ -99,7 +102,8 @@ class MetricsWriter:
         )
 
     def truncate_after(self, step: int) -> None:
-        """Keep only records with ``step <= step`` (work after the checkpoint is redone on resume)."""
+        """Keep only this run's records with ``step <= step`` (work after the checkpoint is redone on
+        resume)."""
         if self._tb is not None:
             self._open_tensorboard(purge_step=step + 1)
         if not self.path.exists():
@@ -110,7 +114,8 @@ class MetricsWriter:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
-            if rec.get("step", 0) <= step:
+            of_this_run = self.run_id is None or rec.get("run_id", self.run_id) == self.run_id
+            if rec.get("step", 0) <= step and of_this_run:
                 keep.append(line)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(k + "\n" for k in keep))
@@ -119,6 +124,8 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         """Append one record (non-finite floats become null in the jsonl)."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        if self.run_id is not None:
+            clean.setdefault("run_id", self.run_id)
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
             f.flush()

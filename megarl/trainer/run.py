@@ -23,7 +23,7 @@ from megarl.learner.factory import build_learner
 from megarl.plugin.context import RunContext
 from megarl.rewards.compute import RewardComputer
 from megarl.rundir import INIT_POLICY
-from megarl.trainer import run_checkpoint
+from megarl.trainer.checkpoint_check import ForeignCheckpointError, resume_checkpoint
 from megarl.trainer.config import (
     ConfigError,
     TrainConfig,
@@ -34,6 +34,7 @@ from megarl.trainer.config import (
 )
 from megarl.trainer.method_runtime import MethodRuntime
 from megarl.trainer.metrics import MetricsWriter
+from megarl.trainer.run_claim import check_run_dir, claim_run_dir
 from megarl.trainer.setup import load_datasets, log, tokenizer_and_hf_config
 
 
@@ -58,11 +59,13 @@ class Run:
         self.tok, self.hf = tokenizer_and_hf_config(cfg)
         check_layout(cfg, self.hf, int(os.environ.get("WORLD_SIZE", "1")))
         self.train_ds, self.eval_ds = load_datasets(cfg, self.tok)
+        check_run_dir(cfg)  # every rank refuses a used run_dir alike, before anything is written
         init_distributed()
         self.rank0 = dist.get_rank() == 0
+        self.run_id = claim_run_dir(cfg, log) if self.rank0 else None
         if self.rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             save_resolved(cfg, self.run_dir)
+        dist.barrier()  # the run directory is settled before any rank looks into it
         p = cfg.parallel
         self.groups = initialize_parallel(
             ParallelLayout(
@@ -76,7 +79,7 @@ class Run:
             seed=cfg.model.seed,
         )
         self.rewards = RewardComputer(cfg.reward) if self.rank0 else None
-        self.metrics = MetricsWriter.from_config(self.run_dir, cfg) if self.rank0 else None
+        self.metrics = MetricsWriter.from_config(self.run_dir, cfg, self.run_id) if self.rank0 else None
         self.sampler = PromptSampler(len(self.train_ds), cfg.schedule.seed)
         self.spec = method_of(cfg)
         self.method_knobs = method_knobs(cfg, self.spec)
@@ -86,15 +89,28 @@ class Run:
         when neither exists (collective)."""
         from megarl.trainer.warmup import run_warmup
 
-        ckpt = (
-            run_checkpoint.latest_checkpoint(self.run_dir) if self.cfg.checkpoint.resume == "auto" else None
-        )
+        ckpt = self._resume_checkpoint() if self.cfg.checkpoint.resume == "auto" else None
         init_dir = self.run_dir / INIT_POLICY
         if ckpt is None and not init_dir.is_dir():
             run_warmup(self, init_dir)
         dist.barrier()
         self.init_dir = init_dir
         return ckpt, init_dir
+
+    def _resume_checkpoint(self) -> Path | None:
+        """Rank 0 picks the newest complete checkpoint of this run; every rank gets it (or the error)."""
+        pick: list = [None]
+        if self.rank0:
+            try:
+                pick[0] = (resume_checkpoint(self.run_dir, self.run_id, log), None)
+            except ForeignCheckpointError as e:
+                pick[0] = (None, str(e))
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(pick, src=0)
+        ckpt, error = pick[0]
+        if error:
+            raise ForeignCheckpointError(error)
+        return ckpt
 
     def build_learners(self, init_dir: Path) -> None:
         """The policy learner holding ``init_dir``, the learner-side method parts, the objective."""
