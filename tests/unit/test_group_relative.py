@@ -9,36 +9,43 @@ from megarl.batch import PackedBatch
 from megarl.catalogue import load_builtin
 
 load_builtin()
-# estimators that need no batch input beyond rewards (the others are covered by their own tests)
+# estimators whose inputs the probe batch carries: rewards only, entropies (gepo), RRPO's scores,
+# named reward dimensions (rspo); the step- and checkpoint-based ones have their own tests
 PLAIN = [n for n in ADVANTAGE_ESTIMATORS.names() if not ADVANTAGE_ESTIMATORS.info(n).batch_inputs]
+PROBED = PLAIN + ["gepo", "rrpo", "rspo"]
 
 
-def batch(group_ids: list[int], rewards: list[float]) -> PackedBatch:
-    """Sequences of 2 prompt + 3 response tokens; ``rrpo_scores`` = the rewards."""
+def batch(group_ids: list[int], rewards: list[float], dims: bool = False) -> PackedBatch:
+    """Sequences of 2 prompt + 3 response tokens; ``rrpo_scores`` = the rewards; ``dims``: rewards
+    [B, 2] named outcome and process."""
     B = len(group_ids)
     mask = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0] * B)
     r = torch.tensor(rewards, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
     return PackedBatch(
         tokens=torch.zeros(5 * B, dtype=torch.long),
         cu_seqlens=torch.arange(B + 1) * 5,
         prompt_lens=torch.full((B,), 2),
         loss_mask=mask,
         group_ids=torch.tensor(group_ids),
-        rewards=r,
+        rewards=torch.stack([r, torch.rand(B, generator=g)], 1) if dims else r,
+        reward_names=["outcome", "process"] if dims else None,
         values=torch.zeros(5 * B),
+        entropies=torch.rand(5 * B, generator=g),
         extras={"rrpo_scores": r},
     )
 
 
-@pytest.mark.parametrize("name", PLAIN + ["rrpo"])
+@pytest.mark.parametrize("name", PROBED)
 def test_group_relative_flag_matches_zero_advantages_for_groups_of_one(name):
     fn = ADVANTAGE_ESTIMATORS.get(name)
-    ones = fn(batch([0, 1, 2, 3], [1.0, 0.0, 0.5, 1.0]))
-    pairs = fn(batch([0, 0, 1, 1], [1.0, 0.0, 0.5, 1.0]))
+    dims = name == "rspo"
+    ones = fn(batch([0, 1, 2, 3], [1.0, 0.0, 0.5, 1.0], dims))
+    pairs = fn(batch([0, 0, 1, 1], [1.0, 0.0, 0.5, 1.0], dims))
     assert bool(pairs.abs().sum() > 0), name  # the probe batch does move this estimator
     assert ADVANTAGE_ESTIMATORS.info(name).group_relative == bool((ones == 0).all()), name
 
 
 def test_the_core_group_estimators_are_flagged():
-    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "softmax_grpo", "rrpo"):
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "softmax_grpo", "rrpo", "gepo", "rspo"):
         assert ADVANTAGE_ESTIMATORS.info(name).group_relative, name

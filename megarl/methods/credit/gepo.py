@@ -107,7 +107,9 @@ ADVANTAGE_ESTIMATORS.add(
     "gepo",
     _gepo,
     PartInfo(
-        batch_inputs=("entropies",), make_state=lambda k=0.5, beta=0.9, eps=1e-6: GEPOHistory(beta=beta)
+        batch_inputs=("entropies",),
+        make_state=lambda k=0.5, beta=0.9, eps=1e-6: GEPOHistory(beta=beta),
+        group_relative=True,
     ),
 )
 

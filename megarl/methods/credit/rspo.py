@@ -83,7 +83,7 @@ def _rspo(
     return per_token(batch, rspo(out, proc, batch.group_ids, base, reading))
 
 
-ADVANTAGE_ESTIMATORS.add("rspo", _rspo, PartInfo(batch_inputs=("reward_dims",)))
+ADVANTAGE_ESTIMATORS.add("rspo", _rspo, PartInfo(batch_inputs=("reward_dims",), group_relative=True))
 
 SPEC = MethodSpec(
     name="rspo",
