@@ -1,8 +1,8 @@
-"""``megarl proxy {prune,replay,compare}``.
+"""``megarl proxy {prune,replay,compare,demo-inputs}``.
 
-``prune`` lives here (megarl.proxy.prune); ``replay`` and ``compare`` are dispatched to
-``megarl.proxy.replay:main(argv)`` and ``megarl.proxy.compare:main(argv)``, imported only when
-asked for.
+``prune`` lives here (megarl.proxy.prune); ``replay``, ``compare`` and ``demo-inputs`` are
+dispatched to ``main(argv)`` of megarl.proxy.replay, megarl.proxy.compare and
+megarl.proxy.demo_inputs, imported only when asked for.
 """
 
 from __future__ import annotations
@@ -18,9 +18,14 @@ commands:
   prune     cluster each MoE layer's experts and keep one per cluster (a smaller HF checkpoint)
   replay    re-run a dumped training step on a model and report the detectors
   compare   run one recipe on the original and the proxy and write a fidelity report
+  demo-inputs  write a tiny random-weight MoE and a calibration file (the docs/proxy.md walk-through)
 """
 
-DELEGATED = {"replay": "megarl.proxy.replay", "compare": "megarl.proxy.compare"}
+DELEGATED = {
+    "replay": "megarl.proxy.replay",
+    "compare": "megarl.proxy.compare",
+    "demo-inputs": "megarl.proxy.demo_inputs",
+}
 
 
 def prune_parser() -> argparse.ArgumentParser:
