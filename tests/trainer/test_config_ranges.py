@@ -2,6 +2,8 @@
 message naming the key and its allowed range; scientific notation is read as a number."""
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,14 @@ def test_check_refuses_tp_that_does_not_divide_the_kv_heads(capsys):
     err = capsys.readouterr().err
     assert "parallel.tp=2 must divide num_attention_heads=4 and num_key_value_heads=1; allowed tp: 1" in err
     assert main([str(QUICKSTART), "parallel.tp=2", "--check"]) == 0  # 4 heads, 2 KV heads, vocab 24
+
+
+def test_an_out_of_range_value_is_refused_before_torch_is_imported():
+    code = (
+        "import sys; from megarl.trainer.train_cli import main; "
+        f"rc = main([{str(QUICKSTART)!r}, 'optimizer.lr=-1', '--check']); "
+        "print(rc, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert "optimizer.lr=-1.0 must be > 0" in out.stderr
