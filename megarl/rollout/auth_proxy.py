@@ -1,14 +1,15 @@
-"""Authenticating forwarder in front of an engine bound to loopback.
+"""Authenticating forwarder in front of an engine that only this user can reach.
 
 vLLM's ``--api-key`` guards only ``/v1/*``; its dev-mode control routes (``/collective_rpc``,
-``/pause``, ``/resume``...) answer anyone who reaches the port. So vLLM listens on 127.0.0.1 and
-this forwarder listens on the node's job-network address: each route needs the generation key
-or the admin key (constant-time comparison), unknown routes are refused (deny by default), and
-allowed requests are forwarded to the loopback server.
+``/pause``, ``/resume``...) answer anyone who reaches the server. So vLLM listens on a Unix
+socket in a 0700 directory and this forwarder listens on the node's job-network address (or
+loopback): each route needs the generation key or the admin key (constant-time comparison),
+unknown routes are refused (deny by default), and allowed requests are forwarded to the engine.
 
-Run: ``python -m megarl.rollout.auth_proxy --listen HOST:PORT --upstream http://127.0.0.1:PORT``
-with the keys in the environment (``MEGARL_ROLLOUT_API_KEY``/``..._ADMIN_KEY``) or a 0600 key file
-(``MEGARL_ROLLOUT_KEY_FILE``). Prints ``READY <url>`` once listening.
+Run: ``python -m megarl.rollout.auth_proxy --listen HOST:PORT --upstream-uds SOCKET`` (what the
+launcher starts) or ``--upstream http://127.0.0.1:PORT``, with the keys in the environment
+(``MEGARL_ROLLOUT_API_KEY``/``..._ADMIN_KEY``) or a 0600 key file (``MEGARL_ROLLOUT_KEY_FILE``).
+Prints ``READY <url>`` once listening.
 """
 
 from __future__ import annotations
@@ -75,11 +76,16 @@ class AuthProxy:
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 600.0,
+        upstream_uds: str | None = None,
     ):
         self.keys, self.routes = keys, routes
         self.upstream_key = upstream_key if upstream_key is not None else keys.api_key
+        transport = httpx.AsyncHTTPTransport(uds=upstream_uds) if upstream_uds else None
         self._client = httpx.AsyncClient(
-            base_url=upstream.rstrip("/"), timeout=timeout_s, limits=httpx.Limits(max_connections=256)
+            base_url=upstream.rstrip("/"),
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=256),
+            transport=transport,
         )
         self.server = MiniServer(self.handle, host, port)
 
@@ -123,7 +129,8 @@ class AuthProxy:
 async def _main(args: argparse.Namespace) -> None:
     keys = RolloutKeys.from_env()
     host, port = args.listen.rsplit(":", 1)
-    proxy = await AuthProxy(args.upstream, keys, host=host, port=int(port)).start()
+    upstream = args.upstream or "http://localhost"
+    proxy = await AuthProxy(upstream, keys, host=host, port=int(port), upstream_uds=args.upstream_uds).start()
     print(f"READY {proxy.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -137,7 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry of the forwarder (keys from the environment or a key file only)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--listen", required=True, help="HOST:PORT to listen on (the node's job-network address)")
-    p.add_argument("--upstream", required=True, help="URL of the loopback engine, e.g. http://127.0.0.1:8000")
+    up = p.add_mutually_exclusive_group(required=True)
+    up.add_argument("--upstream", help="URL of the loopback engine, e.g. http://127.0.0.1:8000")
+    up.add_argument("--upstream-uds", help="Unix socket of the engine (in a 0700 directory)")
     args = p.parse_args(argv)
     try:
         asyncio.run(_main(args))

@@ -1,10 +1,12 @@
 """``python -m megarl.rollout.serve``: one rollout server in the foreground, for Slurm rollout commands.
 
-vLLM listens on 127.0.0.1 and the authenticating forwarder on ``--host:--port`` (the node's
-job-network address); with ``--host 127.0.0.1`` the forwarder is still used, so clients always
-present keys. Keys come from the environment (``MEGARL_ROLLOUT_API_KEY`` + ``..._ADMIN_KEY``) or
-a 0600 key file (``MEGARL_ROLLOUT_KEY_FILE``, e.g. written by ``RolloutKeys.write`` in the job's
-run directory), never from the command line. Exits with the server's exit code; SIGTERM/SIGINT
+vLLM listens on a Unix socket in a 0700 directory (only this user can reach it) and the
+authenticating forwarder on ``--host:--port`` (the node's job-network address, what the Slurm
+launcher's ``{host}`` is); with ``--host 127.0.0.1`` the forwarder is still used, so clients always
+present keys. Server and forwarder die with this process, even when it is SIGKILLed. Keys come
+from the environment (``MEGARL_ROLLOUT_API_KEY`` + ``..._ADMIN_KEY``) or a 0600 key file
+(``MEGARL_ROLLOUT_KEY_FILE``, e.g. written by ``RolloutKeys.write`` in the job's run directory),
+never from the command line. Exits with the server's exit code; SIGTERM/SIGINT
 stop server and forwarder.
 
 Example (slurm/ ``MEGARL_ROLLOUT_CMD``):

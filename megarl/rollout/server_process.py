@@ -1,10 +1,15 @@
 """Start a vLLM or SGLang server (from its own venv, locally or under an ``srun`` prefix) and wait for it.
 
 The server gets a per-job generation key through the environment (``VLLM_API_KEY``, not the
-command line) and binds to loopback. When ``expose_host`` is set (the node's job-network
-address), an authenticating forwarder (``megarl.rollout.auth_proxy``) listens there and is the
-only way in from other nodes: it checks the generation key on ``/v1/*`` and the admin key on the
-control routes, which vLLM itself leaves open.
+command line). vLLM listens on a Unix socket in a fresh 0700 directory, not on a TCP port: its
+control routes (``/pause``, ``/collective_rpc``, ...) take no key, so only this user may reach it.
+An authenticating forwarder (``megarl.rollout.auth_proxy``) listens on ``expose_host`` (the node's
+job-network address; loopback when unset) and is the only way in: it checks the generation key on
+``/v1/*`` and the admin key on the control routes.
+
+A launched server dies with the process that launched it, even a SIGKILLed one: the server gets
+``PR_SET_PDEATHSIG`` (SIGTERM) and a watchdog process (``megarl.launch.lifeline``) kills its whole
+process group (SIGTERM, then SIGKILL) once the launcher is gone; ``atexit`` covers a normal exit.
 
 SGLang separates a generation key (``--api-key``) from an admin key (``--admin-api-key``) on
 every control route itself, so it binds directly to the chosen address; its keys go into a
@@ -18,16 +23,19 @@ import json
 import os
 import select
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from megarl.launch.lifeline import kill_group, preexec_die_with_parent, shared_watchdog
 from megarl.rollout.keys import RolloutKeys
 from megarl.rollout.types import RolloutError
 
@@ -61,8 +69,11 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 @dataclass
 class VLLMServerConfig:
-    """How to start one vLLM server. ``port=0`` picks a free port. ``command_prefix`` runs the
-    server (and the forwarder) under e.g. ``["srun", "--overlap", "-N1", "-n1", "-w", NODE]``."""
+    """How to start one vLLM server. vLLM itself listens on a Unix socket in a new 0700 directory
+    under ``socket_dir`` (default: $TMPDIR); the forwarder on ``expose_host:expose_port`` (default
+    loopback, a free port). ``port`` only names the default work dir. ``command_prefix`` runs the
+    server (and the forwarder) under e.g. ``["srun", "--overlap", "-N1", "-n1", "-w", NODE]`` (the
+    socket directory must then be on the server's node: the same node, or a shared ``socket_dir``)."""
 
     model_dir: str
     python: str = field(default_factory=default_vllm_python)
@@ -80,6 +91,7 @@ class VLLMServerConfig:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     command_prefix: list[str] = field(default_factory=list)
+    socket_dir: str | None = None
 
 
 class _ServerProcess:
@@ -110,6 +122,21 @@ class _ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @staticmethod
+    def _spawn(cmd: list[str], env: dict[str, str], **kw) -> subprocess.Popen:
+        """Start ``cmd`` in a session of its own that dies with this process: SIGTERM from the kernel
+        when this process dies (``PR_SET_PDEATHSIG``), and the watchdog kills the whole group."""
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=preexec_die_with_parent(signal.SIGTERM),
+            **kw,
+        )
+        shared_watchdog().watch(proc.pid)
+        return proc
+
     def kill(self) -> None:
         """SIGKILL the server's process group at once (what a crashed node looks like to clients)."""
         if self.alive():
@@ -118,17 +145,21 @@ class _ServerProcess:
 
     @staticmethod
     def _terminate(p: subprocess.Popen | None, timeout_s: float) -> None:
-        """SIGTERM ``p``'s process group, SIGKILL after ``timeout_s``."""
-        if p is None or p.poll() is not None:
+        """SIGTERM ``p``'s process group, SIGKILL after ``timeout_s``; then SIGKILL what is left of
+        the group (workers that outlive their leader) after a few seconds."""
+        if p is None:
             return
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-        except ProcessLookupError:
-            pass
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+            except ProcessLookupError:
+                pass
+        kill_group(p.pid, grace_s=5.0, term=False)
+        shared_watchdog().forget(p.pid)
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate the server (SIGTERM to the process group, SIGKILL after ``timeout_s``)."""
@@ -150,15 +181,31 @@ class VLLMServer(_ServerProcess):
         super().__init__(cfg, keys)
         self.proxy_proc: subprocess.Popen | None = None
         self.proxy_url: str | None = None
+        self.socket_dir: Path | None = None  # made by start()
 
     @property
-    def loopback_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def uds_path(self) -> Path:
+        """vLLM's Unix socket."""
+        if self.socket_dir is None:
+            raise ServerLaunchError("the vLLM server has not been started (no socket directory yet)")
+        return self.socket_dir / "vllm.sock"
+
+    def _make_socket_dir(self) -> None:
+        # mkdtemp makes the directory 0700: other users cannot reach the socket (connect needs
+        # search permission on the directory), whatever mode vLLM gives the socket file.
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="megarl-vllm-", dir=self.cfg.socket_dir))
+        if len(os.fsencode(self.uds_path)) > 100:
+            raise ServerLaunchError(
+                f"Unix socket path {self.uds_path} is too long for the kernel (max ~107 bytes): "
+                "set socket_dir (or TMPDIR) to a shorter directory"
+            )
 
     @property
     def url(self) -> str:
-        """Where clients should connect: the forwarder when exposed, else loopback."""
-        return self.proxy_url or self.loopback_url
+        """Where clients connect: the authenticating forwarder (set once started)."""
+        if self.proxy_url is None:
+            raise ServerLaunchError("the vLLM server has not been started (no forwarder yet)")
+        return self.proxy_url
 
     def command(self) -> list[str]:
         c = self.cfg
@@ -170,10 +217,8 @@ class VLLMServer(_ServerProcess):
             str(c.model_dir),
             "--served-model-name",
             c.served_model_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
+            "--uds",
+            str(self.uds_path),
             "--dtype",
             c.dtype,
             "--max-model-len",
@@ -192,6 +237,7 @@ class VLLMServer(_ServerProcess):
             {
                 "VLLM_API_KEY": self.keys.api_key,  # the environment, not argv: /proc/PID/cmdline is public
                 "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_RPC_BASE_PATH": str(self.socket_dir),  # its internal IPC sockets: same 0700 dir
                 "VLLM_CPU_KVCACHE_SPACE": str(self.cfg.kv_cache_gib),
                 "VLLM_CACHE_ROOT": str(cache / "vllm"),
                 "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
@@ -215,27 +261,27 @@ class VLLMServer(_ServerProcess):
                 f"vLLM python {self.cfg.python} does not exist: run `bash tests/setup/20-vllm.sh` "
                 "or set MEGARL_VLLM_PYTHON"
             )
+        self._make_socket_dir()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                env=self.environment(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        atexit.register(self.stop)  # its own session: not killed with us unless stopped
+            self.proc = self._spawn(self.command(), self.environment(), stdout=log, stderr=subprocess.STDOUT)
+        atexit.register(self.stop)
         try:
-            _wait_healthy(self.proc, self.loopback_url, self.log_path, self.cfg.startup_timeout_s, "vLLM")
-            if self.cfg.expose_host:
-                self._start_proxy()
+            _wait_healthy(
+                self.proc,
+                "http://localhost",
+                self.log_path,
+                self.cfg.startup_timeout_s,
+                "vLLM",
+                uds=self.uds_path,
+            )
+            self._start_proxy()
         except BaseException:
             self.stop()
             raise
         return self
 
     def _start_proxy(self) -> None:
-        host = self.cfg.expose_host
+        host = self.cfg.expose_host or "127.0.0.1"
         port = self.cfg.expose_port or free_port(host)
         env = dict(os.environ)
         env.update(self.keys.env())
@@ -245,18 +291,10 @@ class VLLMServer(_ServerProcess):
             "megarl.rollout.auth_proxy",
             "--listen",
             f"{host}:{port}",
-            "--upstream",
-            self.loopback_url,
+            "--upstream-uds",
+            str(self.uds_path),
         ]
-        self.proxy_proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            text=True,
-        )
+        self.proxy_proc = self._spawn(cmd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.proxy_proc.stdout], [], [], 1.0)
@@ -285,6 +323,8 @@ class VLLMServer(_ServerProcess):
         self._terminate(self.proc, timeout_s)
         if self.proxy_proc is not None and self.proxy_proc.stdout is not None:
             self.proxy_proc.stdout.close()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def launch_vllm(cfg: VLLMServerConfig, keys: RolloutKeys | None = None) -> VLLMServer:
@@ -380,14 +420,7 @@ class SGLangServer(_ServerProcess):
         env.update(self.cfg.extra_env)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {shlex.join(cmd)}\n".encode())
-            self.proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            self.proc = self._spawn(cmd, env, stdout=log, stderr=subprocess.STDOUT)
         atexit.register(self.stop)
         try:
             _wait_healthy(self.proc, self.url, self.log_path, self.cfg.startup_timeout_s, "SGLang")
@@ -407,8 +440,16 @@ class SGLangServer(_ServerProcess):
         self._terminate(self.proc, timeout_s)
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float, what: str) -> None:
+def _wait_healthy(
+    proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float, what: str, uds: Path | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
+    transport = httpx.HTTPTransport(uds=str(uds)) if uds is not None else None
+    with httpx.Client(transport=transport, timeout=2.0) as client:
+        _poll_healthy(client, proc, url, log_path, timeout_s, deadline, what)
+
+
+def _poll_healthy(client, proc, url, log_path, timeout_s, deadline, what) -> None:
     while True:
         code = proc.poll()
         if code is not None:
@@ -417,7 +458,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: f
                 f"log {log_path}, last lines:\n{log_tail(log_path)}"
             )
         try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+            if client.get(url + "/health").status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import socket
+import stat
 import time
 
 import httpx
@@ -155,9 +158,13 @@ def test_keys_are_required_for_generation_and_weight_reload(vllm_server, tiny_mo
         assert c.post("/reset_prefix_cache", headers=api).status_code == 401
         assert c.get("/metrics", headers=api).status_code == 404
         assert c.post("/v1/completions", json=gen, headers=api).status_code == 200
-    # The loopback server itself also wants the generation key on /v1 (VLLM_API_KEY from the env).
-    with httpx.Client(base_url=vllm_server.loopback_url, timeout=60) as c:
-        assert c.post("/v1/completions", json=gen).status_code == 401
+    # vLLM itself has no TCP port: it listens on a Unix socket in a 0700 directory, where its own
+    # /v1 wants the generation key (VLLM_API_KEY from the env) and its control routes want none.
+    assert stat.S_IMODE(vllm_server.socket_dir.stat().st_mode) == 0o700
+    assert vllm_server.socket_dir.stat().st_uid == os.getuid()
+    assert tcp_listeners(vllm_server.proc.pid) == []
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(vllm_server.uds_path)), timeout=60) as c:
+        assert c.post("http://localhost/v1/completions", json=gen).status_code == 401
     # The keys never appear on a command line (world-readable /proc/PID/cmdline).
     for proc in (vllm_server.proc, vllm_server.proxy_proc):
         cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read().decode()
@@ -171,6 +178,74 @@ def test_keys_are_required_for_generation_and_weight_reload(vllm_server, tiny_mo
             )
 
     assert run(go()).samples[0].token_ids == hf_greedy(str(tiny_models["v1"]), PROMPT, 6)
+
+
+def tcp_listeners(pid: int) -> list[str]:
+    """The TCP ports process ``pid`` listens on (hex local addresses from /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            f = row.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                out.append(f[1])
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_other_users_cannot_reach_the_server_socket(vllm_server):
+    # What another user of a shared node would try first: its /pause takes no key.
+    pid = os.fork()
+    if pid == 0:  # the child becomes user nobody and tries to connect
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX)
+            try:
+                sock.connect(str(vllm_server.uds_path))
+                code = 1
+            except PermissionError:
+                code = 0
+            except OSError:
+                code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, (
+        "0: refused, 1: connected, 2: other error, 3: setuid failed"
+    )
+
+
+def test_trainer_engine_uses_keys_from_a_key_file_on_every_route(vllm_server, tmp_path, monkeypatch):
+    """The engine the trainer builds for rollout.urls (megarl.trainer.servers.connect_servers) gets
+    the generation key and the admin key from rollout.key_file and reaches both kinds of route."""
+    from megarl.trainer.config_sections import RolloutConfig
+    from megarl.trainer.servers import connect_servers
+
+    for name in ("MEGARL_ROLLOUT_KEY_FILE", "MEGARL_ROLLOUT_API_KEY", "MEGARL_ROLLOUT_ADMIN_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    key_file = vllm_server.keys.write(tmp_path / "keys.json")
+
+    async def go(rollout):
+        engine = connect_servers(rollout)
+        try:
+            await engine.pause()  # admin key: /pause
+            await engine.resume()  # admin key: /resume
+            return await engine.server_weight_version()  # generation key: /weight_info
+        finally:
+            await engine.close()
+
+    assert run(go(RolloutConfig(engine="vllm", urls=[vllm_server.url], key_file=str(key_file))))
+    with pytest.raises(AuthError, match="401.*no key was sent"):
+        run(go(RolloutConfig(engine="vllm", urls=[vllm_server.url])))
 
 
 def test_client_with_wrong_key_gets_auth_error(vllm_server):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -82,7 +83,7 @@ def test_keys_are_not_config_values():
     from megarl.trainer.config_loading import load_config
 
     with pytest.raises(ConfigError, match="api_key"):
-        load_config("examples/quickstart.yaml", ["rollout.api_key=secret"])
+        load_config(Path(__file__).parents[2] / "examples" / "quickstart.yaml", ["rollout.api_key=secret"])
 
 
 @pytest.mark.parametrize("source", ["config", "env_file", "env_pair"])
