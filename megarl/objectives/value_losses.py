@@ -8,14 +8,12 @@ targets. Reference: ``reference/critics.py``.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from megarl.batch import PackedBatch
 from megarl.objectives.api import LossContext, LossOutput
 
-ValueLossKind = Literal["mse", "clipped", "huber"]
+ValueLossKind = str  # "mse" | "clipped" | "huber" (VALUE_LOSS_KINDS)
 VALUE_LOSS_KINDS: tuple[str, ...] = ("mse", "clipped", "huber")
 
 
