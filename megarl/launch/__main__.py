@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(e("MEGARL_ROLLOUT_PORT", 8000)),
         help="port of server 0 on each node; server s uses port+s",
     )
+    r.add_argument(
+        "--rollout-bind",
+        default=e("MEGARL_ROLLOUT_BIND"),
+        help="address {host} names, that the rollout servers listen on (default: this node's address, "
+        "its Slurm node name resolved; 0.0.0.0 = every interface)",
+    )
     r.add_argument("--rollout-health-path", default=e("MEGARL_ROLLOUT_HEALTH_PATH", "/health"))
     r.add_argument(
         "--rollout-startup-timeout", type=float, default=float(e("MEGARL_ROLLOUT_STARTUP_TIMEOUT", 900))
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             dist_timeout_s=args.dist_timeout,
             backend=args.backend,
             rollout_port=args.rollout_port,
+            rollout_bind=args.rollout_bind,
             rollout_health_path=args.rollout_health_path,
             rollout_startup_timeout_s=args.rollout_startup_timeout,
             health_interval_s=args.health_interval,

@@ -13,8 +13,10 @@ the job.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -63,7 +65,7 @@ class LaunchOptions:
     dist_timeout_s: float = 1800.0
     backend: str = "auto"
     rollout_port: int = 8000
-    rollout_bind: str = "0.0.0.0"
+    rollout_bind: str | None = None  # None: this node's own address (see node_address)
     rollout_health_path: str = "/health"
     rollout_startup_timeout_s: float = 900.0
     health_interval_s: float = 10.0
@@ -107,6 +109,26 @@ def http_ok(url: str, timeout_s: float = 5.0) -> str | None:
         return f"HTTP {exc.code}"
     except (urllib.error.URLError, OSError) as exc:
         return str(getattr(exc, "reason", exc))
+
+
+def node_address(node: str, single_node: bool) -> str:
+    """The address this node's Slurm name resolves to here: the interface other nodes reach it on
+    (rollout URLs are ``http://NODE:PORT``), so servers bound to it are not on every interface.
+    A name that resolves to loopback (Debian's ``127.0.1.1 HOSTNAME``) serves one-node jobs only."""
+    try:
+        addr = socket.gethostbyname(node)
+    except OSError as exc:
+        raise LayoutError(
+            f"cannot resolve this node's name {node!r} to bind the rollout servers to ({exc}); "
+            "set MEGARL_ROLLOUT_BIND (--rollout-bind) to its job-network address"
+        ) from None
+    if ipaddress.ip_address(addr).is_loopback and not single_node:
+        raise LayoutError(
+            f"this node's name {node!r} resolves to {addr} (loopback) here, out of other nodes' reach: "
+            "set MEGARL_ROLLOUT_BIND (--rollout-bind) to its job-network address, or 0.0.0.0 for every "
+            "interface"
+        )
+    return addr
 
 
 class NodeLauncher:
@@ -206,6 +228,7 @@ class NodeLauncher:
                 "MEGARL_ROLLOUT_CMD (the sbatch templates) or --rollout-cmd (python -m megarl.launch)"
             )
         L = self.layout
+        bind = self.opts.rollout_bind or node_address(self.node, self.task.n_nodes == 1)
         for s in range(L.servers_per_node):
             port = self.opts.rollout_port + s
             gpus = (
@@ -213,7 +236,7 @@ class NodeLauncher:
             )
             cmd = format_cmd(
                 self.opts.rollout_cmd,
-                host=self.opts.rollout_bind,
+                host=bind,
                 port=port,
                 node=self.node,
                 index=plan.rollout_index * L.servers_per_node + s,

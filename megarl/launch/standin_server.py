@@ -18,7 +18,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 def main(argv: list[str] | None = None) -> None:
     """Serve until killed."""
     p = argparse.ArgumentParser(prog="python -m megarl.launch.standin_server")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (the launcher passes the node's; 0.0.0.0 = all)",
+    )
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
     info = {
