@@ -44,6 +44,9 @@ def _usage(avail: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``megarl <command> ...`` to the command's own ``main(argv)``."""
+    from megarl import quiet_warnings
+
+    quiet_warnings.apply()
     argv = list(sys.argv[1:] if argv is None else argv)
     avail = _available()
     if not argv or argv[0] in ("-h", "--help"):

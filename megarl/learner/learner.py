@@ -61,6 +61,7 @@ class Learner:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megarl.learner.ddp import WeakHookDDP
+        from megarl.learner.shard_views import retain_grad_on_shard_views
 
         self.cfg, self.groups = cfg, groups
         self.hf_config = load_hf_config(cfg.hf_config)
@@ -114,6 +115,7 @@ class Learner:
             [self.ddp],
             use_gloo_process_groups=False,
         )
+        retain_grad_on_shard_views(self.optimizer)
         decay = max(o.lr_decay_steps, o.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,

@@ -29,7 +29,7 @@ from megarl.rundir import read_metrics
 from megarl.trainer import run_checkpoint
 from megarl.trainer.config import TrainConfig
 from megarl.trainer.evaluation import eval_text, evaluate
-from megarl.trainer.metrics import Progress
+from megarl.trainer.live_progress import StepDisplay
 from megarl.trainer.rollouts import Rollouts, build_batch, rollouts_from_groups
 from megarl.trainer.run import Run
 from megarl.trainer.setup import log
@@ -126,7 +126,7 @@ class Trainer:
             rec = {"step": 0, **evaluate(run)}
             run.metrics.write(rec)
             log(f"step    0/{cfg.schedule.steps} (initial policy){eval_text(rec)}")
-        progress = Progress(cfg.schedule.steps, start, cfg.logging.progress)
+        progress = StepDisplay(cfg.schedule.steps, start, cfg.logging.progress, cfg.logging.print_every)
         code = 0
         for step in range(start + 1, cfg.schedule.steps + 1):
             rec = self.step(step)
@@ -135,14 +135,14 @@ class Trainer:
                 rec.update(evaluate(run))
             if run.rank0:
                 run.metrics.write(rec)
-                if step % cfg.logging.print_every == 0 or last:
-                    log(progress.line(step, rec) + eval_text(rec))
+                progress.show(step, rec, last)
             stop = self._stop_signal is not None
             if last or step % cfg.checkpoint.every == 0 or stop:
                 self.checkpoint(step)
             if stop:
                 code = 128 + int(self._stop_signal)
                 break
+        progress.close()
         self.finish()
         return code
 

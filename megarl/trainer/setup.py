@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -14,10 +15,23 @@ from megarl.trainer.config import ConfigError, TrainConfig
 DEFAULT_CONTEXT = 4096  # the learner's max_position_embeddings when the HF config has none
 
 
+_WRITER: Callable[[str], None] | None = None  # set while a progress bar is drawn in place
+
+
+def set_log_writer(writer: Callable[[str], None] | None) -> None:
+    """Route ``log`` through ``writer`` (a progress bar's ``write``, which prints above the bar);
+    None: plain ``print`` again."""
+    global _WRITER
+    _WRITER = writer
+
+
 def log(msg: str) -> None:
     """Print on rank 0 (or before the process group exists)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
+        if _WRITER is not None:
+            _WRITER(msg)
+        else:
+            print(msg, flush=True)
 
 
 class HFTokenizer:

@@ -81,3 +81,37 @@ def test_progress_bar_on_a_terminal_plain_lines_in_logs():
     assert full.startswith("|████████| 100% ")
     with pytest.raises(ValueError, match="allowed: 'auto', 'bar', 'lines'"):
         Progress(1, 0, "fancy")
+
+
+def test_step_display_draws_in_place_on_a_terminal_and_prints_lines_elsewhere(capsys):
+    from megarl.trainer import setup
+    from megarl.trainer.live_progress import StepDisplay
+
+    tty = Tty()
+    d = StepDisplay(4, 0, "auto", stream=tty)
+    assert d.in_place
+    for step in (1, 2, 3):
+        rec = {"reward/mean": 0.25 * step, "rollout/accuracy": 0.125 * step, "async/staleness_max": 1}
+        d.show(step, rec | ({"eval/pass@1": 0.5} if step == 2 else {}))
+    setup.log("checkpoint somewhere")  # other messages go above the bar, not into it
+    d.show(4, {"reward/mean": 1.0}, last=True)
+    d.close()
+    out = tty.getvalue()
+    assert "\r" in out and "reward 0.750  acc 0.375  stale 1" in out and "step 3/4 |" in out
+    lines = [ln.split("\r")[-1] for ln in out.split("\n")]
+    full = [ln for ln in lines if ln.startswith("step ") and "/4  reward" in ln]
+    assert [ln[:16] for ln in full] == ["step    2/4  rew", "step    4/4  rew"], out  # eval and last steps
+    assert "held-out pass@1 0.500" in full[0] and "checkpoint somewhere" in lines
+    assert capsys.readouterr().out == ""  # nothing leaked to stdout
+    setup.log("after the bar")
+    assert capsys.readouterr().out == "after the bar\n"
+
+    plain = io.StringIO()
+    d = StepDisplay(4, 0, "auto", print_every=2, stream=plain)
+    assert not d.in_place
+    for step in (1, 2, 3, 4):
+        d.show(step, {"reward/mean": 0.5}, last=step == 4)
+    d.close()
+    printed = capsys.readouterr().out.splitlines()  # one line per print_every-th step, through log()
+    assert [ln[:11] for ln in printed] == ["step    2/4", "step    4/4"] and "reward 0.500" in printed[0]
+    assert plain.getvalue() == ""
