@@ -129,6 +129,8 @@ def kl_cov_selected(cov: torch.Tensor, mask: torch.Tensor, ratio: float = 2e-4) 
     """KL-Cov's tokens: cov ≥ the k-th largest covariance of the batch, k = max(⌊ratio · N⌋, 1)
     (ties at the threshold are all kept). [B, L] -> bool [B, L]."""
     m = mask.bool()
+    if not m.any():
+        return m
     k = max(int(ratio * float(m.sum())), 1)
     tau = torch.topk(cov[m], min(k, int(m.sum()))).values[-1]
     return m & (cov >= tau)

@@ -206,6 +206,33 @@ METHOD_MUTANTS = [
             "tests.methods.test_gmpo:test_one_token_sequences_are_ppo_with_log_space_bounds",
         ),
     ),
+    Mutant(
+        "clip_cov_keep_probability_inverted",
+        ("megarl.methods.peers.cov",),
+        "clip_cov_selected",
+        "cand & (keys < broadcast_to_tokens(",
+        "cand & (keys > broadcast_to_tokens(",
+        ("tests.methods.test_cov:test_clip_cov_matches_reference",),
+    ),
+    Mutant(
+        "kl_cov_threshold_from_the_local_shard",
+        ("megarl.methods.peers.cov",),
+        "prepare_kl_cov",
+        "torch.cat(comm.all_gather(local, dp_group))",
+        "local",
+        (
+            "tests.methods.test_cov:test_kl_cov_matches_reference",
+            "tests.methods.test_cov:test_kl_cov_selects_the_k_largest_covariances_of_the_global_batch",
+        ),
+    ),
+    Mutant(
+        "bypass_token_weight_not_truncated",
+        ("megarl.methods.peers.bypass",),
+        "is_weights",
+        "torch.clamp(torch.exp(d), max=is_threshold)",
+        "torch.exp(d)",
+        ("tests.methods.test_bypass:test_matches_reference",),
+    ),
     # reward shaping
     Mutant(
         "reward_floor_precision_denominator",
@@ -225,6 +252,18 @@ METHOD_MUTANTS = [
         "torch.where(copied, torch.full_like(rewards, self.floor), rewards)",
         "torch.where(copied, rewards, torch.full_like(rewards, self.floor))",
         ("tests.methods.test_reward_floor:test_verbatim_copy_is_floored_and_a_rewrite_is_not",),
+    ),
+    # family 3, critics
+    Mutant(
+        "value_clip_optimistic_min",
+        ("megarl.objectives.value_losses",),
+        "value_loss_per_token",
+        "0.5 * torch.maximum(unclipped, clipped)",
+        "0.5 * torch.minimum(unclipped, clipped)",
+        (
+            "tests.property.test_value_loss:test_value_loss_matches_reference",
+            "tests.property.test_value_loss:test_clipped_is_at_least_mse_and_equals_it_with_a_wide_clip",
+        ),
     ),
 ]
 

@@ -38,6 +38,12 @@ METHOD_NAMES = (
     "care",
     "rubric",
     "reward_floor",
+    "gpg",
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+    "bypass",
+    "bypass_reinforce",
 )
 BASE = {
     "model": {"hf_config": {"model_type": "qwen3", "vocab_size": 32}, "alphabet": "0123456789R= "},

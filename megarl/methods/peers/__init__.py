@@ -1,7 +1,8 @@
 """Method family: the peers' objective catalogue (verl's core_algos), as plugins.
 
-Importing this package registers the policy losses ``gpg`` and ``gmpo`` and the advantage
-estimator ``gpg``. Formulas: reference/peers.py; docs: docs/methods/{gpg,gmpo}.md.
+Importing this package registers the policy losses ``gpg``, ``gmpo``, ``clip_cov``, ``kl_cov``,
+``bypass_reinforce`` and the advantage estimator ``gpg``. Formulas: reference/peers.py; docs:
+docs/methods/{gpg,gmpo,clip-cov,kl-cov,bypass}.md.
 """
 
-from megarl.methods.peers import gmpo, gpg  # noqa: F401
+from megarl.methods.peers import bypass, cov, gmpo, gpg  # noqa: F401

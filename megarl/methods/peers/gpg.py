@@ -35,7 +35,7 @@ def gpg_loss(logp, old_logp, adv, mask, cu_seqlens, clip_low=None, clip_high=Non
     return -adv * logp
 
 
-ADVANTAGE_ESTIMATORS.add("gpg", _gpg_estimator, PartInfo())
+ADVANTAGE_ESTIMATORS.add("gpg", _gpg_estimator, PartInfo(group_relative=True))
 POLICY_LOSSES.add("gpg", gpg_loss, PartInfo())
 
 SPEC = MethodSpec(
