@@ -19,6 +19,7 @@ Loss scaling, explicitly (see docs/learner.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -55,7 +56,15 @@ class LearnerConfig:
 class Learner:
     """One rank's part of the learner. All public methods are collective over the world."""
 
-    def __init__(self, cfg: LearnerConfig, groups: ParallelGroups, perform_initialization: bool = True):
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        groups: ParallelGroups,
+        perform_initialization: bool = True,
+        before_wrap: Callable[[torch.nn.Module], None] | None = None,
+    ):
+        """``before_wrap(model)`` may change the bare model before DDP and the optimizer see its
+        parameters (e.g. load weights and swap the output layer: megarl.learner.value_model)."""
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -74,6 +83,8 @@ class Learner:
             perform_initialization=perform_initialization,
             routing_replay=cfg.moe_routing_replay,
         )
+        if before_wrap is not None:
+            before_wrap(model)
         self.spec = model.megarl_spec
         self.config = model.config
         self.config.calculate_per_token_loss = True

@@ -72,6 +72,7 @@ def build_run(cfg: TrainConfig) -> tuple[Run, int, dict]:
     ckpt, init_dir = run.initial_policy()
     run.build_learners(init_dir)
     start, method_state, run.failures_total = 0, {}, {"errors": 0, "timeouts": 0}
+    run.resumed_from = ckpt
     if ckpt is not None:
         state = run_checkpoint.load(ckpt, run.learner)
         run.objective.load_state_dict(run_checkpoint.load_objective_state(ckpt))
@@ -120,6 +121,8 @@ class Trainer:
         self.source = self.make_source(run, start)
         if method_state:
             run.method.load_state_dict(method_state, rank0=run.rank0)
+        if run.resumed_from is not None:
+            run.method.load_sharded(run.resumed_from)
         run.build_faults()
         self.source.update_weights(start)
         if start == 0 and run.rank0 and not any(r.get("step") == 0 for r in read_metrics(run.run_dir)):
@@ -239,6 +242,7 @@ class Trainer:
             self.cfg.checkpoint.keep_last,
             objective_state=run.objective.state_dict(),
             method_state=run.method.state_dict(),
+            sharded_parts=run.method.sharded_parts(),
         )
         log(f"checkpoint {path} ({time.time() - t0:.1f}s)")
 

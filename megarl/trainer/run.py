@@ -48,6 +48,7 @@ class Run:
         self.server: Any = None
         self.ref = None
         self.producer: Any = None
+        self.resumed_from: Path | None = None  # the run checkpoint this run resumed from
 
     # ------------------------------------------------------------------------------ phases
     def setup(self) -> None:
@@ -210,6 +211,9 @@ class Run:
             engine=engine,
             score=self.rewards,
             sampling=self.sampling_params,
+            groups=self.groups,
+            dp_share=self.dp_share,
+            dp_group=self.dp_group(),
         )
 
     def make_learner(self, hf_config: dict, trainable: bool = True, lr: float | None = None):
@@ -252,9 +256,9 @@ class Run:
                 self.cfg, self.run_dir / INIT_POLICY, self.run_dir, self.hf, log
             )
             return engine
-        from megarl.rollout import make_engine
+        from megarl.trainer.servers import connect_servers
 
-        return make_engine(r.urls, kind=r.engine)
+        return connect_servers(r, log)
 
     def dp_group(self):
         """The data-parallel group (None with one replica)."""

@@ -79,13 +79,15 @@ def save(
     keep_last: int,
     objective_state: dict | None = None,
     method_state: dict | None = None,
+    sharded_parts: list | None = None,
 ) -> Path:
     """Write checkpoint ``step`` (collective over the world) and prune to the newest ``keep_last``.
 
     ``objective_state``: the stateful objective parts (e.g. a policy loss's running statistics), saved
     with torch.save next to the trainer state (identical on every rank: rank 0 writes it).
     ``method_state``: the rest of the method state (estimator state, round processors, step
-    hooks), rank 0's view."""
+    hooks), rank 0's view. ``sharded_parts``: (folder, part) pairs whose ``save_sharded`` writes a
+    model of their own (a critic) into that folder of the checkpoint, collectively."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megarl.learner.dist_checkpoint import save_checkpoint
@@ -103,6 +105,8 @@ def save(
             tmp.mkdir()
         dist.barrier()
         save_checkpoint(learner, tmp / "learner")
+        for name, part in sharded_parts or []:
+            part.save_sharded(tmp / name)
         failure = None
         if rank0:
             try:
