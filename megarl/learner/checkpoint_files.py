@@ -68,7 +68,5 @@ def checkpoint_problems(ckpt_dir: str | os.PathLike, meta_file: str = "megarl.js
             problems.append(f"{d / name}: unreadable ({e})")
     if (d / INDEX_FILE).exists() or not problems:
         problems += _index_problems(d)
-    if (d / COMMON_FILE).exists():
-        problem = torch_archive_problem(d / COMMON_FILE)
-        problems += [problem] if problem else []
-    return problems
+    problem = torch_archive_problem(d / COMMON_FILE)  # dist_checkpointing always writes it
+    return problems + ([problem] if problem else [])

@@ -84,6 +84,20 @@ def ran_out_of_space(run_dir: Path) -> bool:
     return True
 
 
+def damaged_copy(learner_dir: Path, dest: Path) -> list[str]:
+    """What the completeness check says of a copy of ``learner_dir`` with one shard file gone and
+    ``common.pt`` cut short."""
+    import shutil
+
+    from megarl.learner.checkpoint_files import checkpoint_problems
+
+    shutil.copytree(learner_dir, dest)
+    sorted(dest.glob("*.distcp"))[0].unlink()
+    common = dest / "common.pt"
+    common.write_bytes(common.read_bytes()[:100])
+    return checkpoint_problems(dest)
+
+
 def main(mode: str, run_dir: Path) -> dict:
     from megarl.trainer import run_checkpoint
     from megarl.trainer.checkpoint_check import ForeignCheckpointError, resume_checkpoint
@@ -120,6 +134,7 @@ def main(mode: str, run_dir: Path) -> dict:
         except ForeignCheckpointError as e:
             foreign = str(e)
         out = {
+            "damaged": damaged_copy(run_dir / "checkpoints" / "step_000001" / "learner", run_dir / "damaged"),
             "cut": str(cut),
             "pick": str(pick),
             "loaded_step": state["step"],

@@ -80,5 +80,11 @@ def test_resume_skips_a_truncated_newest_checkpoint_and_names_it(tmp_path):
     assert res["dirs"] == ["step_000001", "step_000002"]  # nothing deleted
     # loading the truncated one anyway: an error naming the checkpoint, not a bare EOFError
     assert res["direct_load"].startswith(f"CheckpointError: {step2}: loading the learner state failed"), res
+    # a shard file gone and a cut common.pt are named too
+    damaged = run_dir / "damaged"
+    assert res["damaged"] == [
+        f"{damaged / '__0_0.distcp'}: missing",
+        f"{damaged / 'common.pt'}: unreadable (File is not a zip file)",
+    ]
     # a checkpoint of another run id is refused
     assert "was written by run run-a" in res["foreign"] and "holds run run-b" in res["foreign"]
