@@ -12,8 +12,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="megarl train",
         description="Run an RL job from a YAML config. Overrides: section.key=value (YAML values), e.g. "
-        "schedule.steps=20 logging.run_dir=runs/try2. Resumes from the newest checkpoint in "
-        "logging.run_dir unless checkpoint.resume=never.",
+        "schedule.steps=20 logging.run_dir=runs/try2. Continues the run in logging.run_dir from its "
+        "newest complete checkpoint; checkpoint.resume=never starts a new run (a run_dir that holds "
+        "one: checkpoint.on_existing=archive|overwrite).",
     )
     ap.add_argument("config", help="YAML config (see examples/quickstart.yaml, docs/trainer.md)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
@@ -40,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     if torch_threads:
         torch.set_num_threads(int(torch_threads))
     from megarl.data.dataset import DataError
+    from megarl.learner.dist_checkpoint import CheckpointError
+    from megarl.trainer.checkpoint_check import ForeignCheckpointError
     from megarl.trainer.loop import trainer_class
+    from megarl.trainer.run_checkpoint import CheckpointSaveError
 
     try:
         return trainer_class(cfg)(cfg).run()
@@ -48,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         kind = "config" if isinstance(e, ConfigError) else "data"
         print(f"megarl train: {kind} error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointSaveError, ForeignCheckpointError, CheckpointError) as e:
+        print(f"megarl train: checkpoint error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
