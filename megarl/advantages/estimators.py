@@ -165,7 +165,7 @@ def _reinforce_pp_baseline(batch: PackedBatch) -> torch.Tensor:
     return reinforce_pp_baseline(batch)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@ADVANTAGE_ESTIMATORS.register("gae", batch_inputs=("values",))
 def _gae(batch: PackedBatch, gamma: float = 1.0, lam: float = 0.95) -> torch.Tensor:
     if batch.values is None:
         raise ValueError("advantage_estimator=gae needs the batch field 'values'")
