@@ -20,9 +20,12 @@ def load_example(name: str) -> dict:
     """Load examples/methods/NAME.yaml and check every section: the estimator and its knobs (as the
     trainer does), the objective (built), and the reward-shaping section (built)."""
     cfg = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
-    assert set(cfg) <= {"advantage", "objective", "reward", "inputs", "environment", "method"}, (
+    method_sections = {"advantage", "objective", "reward", "inputs", "environment", "method"}
+    # besides its method's sections, an example names its base config and its own run directory
+    assert set(cfg) <= method_sections | {"base", "logging"}, (
         f"{name}.yaml: unexpected sections {sorted(cfg)}"
     )
+    assert cfg.get("base") == "../quickstart.yaml", f"{name}.yaml: base {cfg.get('base')!r}"
     adv = dict(cfg["advantage"])
     est = adv.pop("estimator")
     fn = ADVANTAGE_ESTIMATORS.get(est)
