@@ -12,6 +12,7 @@ and left ``resume: auto`` to pick the old run's checkpoint later.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 import uuid
@@ -70,6 +71,17 @@ def _archive_dir(run_dir: Path) -> Path:
     return out
 
 
+def _checkpoints_run_id(run_dir: Path) -> str | None:
+    """The run id the newest checkpoint under ``run_dir`` records (a run_dir whose run_id file was
+    lost keeps its run); None when there is none."""
+    for ckpt in sorted((run_dir / CHECKPOINTS).glob("step_*/trainer.json"), reverse=True):
+        try:
+            return json.loads(ckpt.read_text()).get("run_id")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def claim_run_dir(cfg: TrainConfig, log=print) -> str:
     """Rank 0: make ``logging.run_dir`` this run's (archiving or deleting a previous run's outputs
     when ``resume: never`` and ``on_existing`` ask for it); returns the run id, written to
@@ -90,8 +102,8 @@ def claim_run_dir(cfg: TrainConfig, log=print) -> str:
             log(f"megarl train: deleted the previous run's outputs in {run_dir} (on_existing: overwrite)")
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = read_run_id(run_dir)
-    if run_id is None:
-        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    if run_id is None:  # a new run, or one whose run_id file was lost (its checkpoints know it)
+        run_id = _checkpoints_run_id(run_dir) or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         tmp = run_dir / f"{RUN_ID}.tmp"
         tmp.write_text(run_id + "\n")
         tmp.rename(run_dir / RUN_ID)

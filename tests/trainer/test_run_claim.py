@@ -105,6 +105,14 @@ def test_resume_auto_continues_the_run_it_finds(tmp_path):
     assert (run_dir / "checkpoints" / "step_000004").is_dir()
 
 
+def test_a_lost_run_id_file_is_taken_back_from_the_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    old_id = old_run(run_dir)
+    (run_dir / "run_id").unlink()
+    assert claim_run_dir(cfg(run_dir, "auto"), log=lambda s: None) == old_id
+    assert read_run_id(run_dir) == old_id
+
+
 def test_metrics_records_carry_the_run_id_and_truncation_keeps_this_run(tmp_path):
     w = MetricsWriter(tmp_path, run_id="run-b")
     (tmp_path / "metrics.jsonl").write_text(
