@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
@@ -28,6 +30,7 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
+@pytest.mark.slow  # 19 s idle, 28 s at load 25 (a megatron learner in a subprocess)
 def test_checkpoint_helpers_die_with_a_sigkilled_trainer(tmp_path):
     trainer = subprocess.Popen(
         [sys.executable, str(HERE / "orphan_save_case.py"), str(tmp_path)],
