@@ -75,6 +75,9 @@ def resolve_function(path: str) -> Callable:
 
 def _worker_main(path: str, kwargs_json: str) -> None:
     """Worker loop: one JSON request per stdin line, one JSON answer per line on the original stdout."""
+    from megarl.launch.lifeline import exit_when_parent_dies
+
+    exit_when_parent_dies(os.getppid())  # a hung call must not outlive a SIGKILLed trainer
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever the user's function prints goes to stderr, not into the protocol
     sys.stdout = sys.stderr
