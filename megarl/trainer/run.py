@@ -211,9 +211,9 @@ class Run:
             engine=engine,
             score=self.rewards,
             sampling=self.sampling_params,
-            groups=self.groups,
+            groups=getattr(self, "groups", None),
             dp_share=self.dp_share,
-            dp_group=self.dp_group(),
+            dp_group=self.dp_group() if hasattr(self, "groups") else None,
         )
 
     def make_learner(self, hf_config: dict, trainable: bool = True, lr: float | None = None):

@@ -29,16 +29,10 @@ FAMILY2 = [
 
 
 def spliced(name: str) -> dict:
-    """The quickstart config with the example's sections: advantage/objective replaced, the other
-    sections (reward.shaping, reward.functions, inputs) merged key by key."""
-    d = yaml.safe_load(QUICKSTART.read_text())
-    ex = yaml.safe_load((ROOT / "examples" / "methods" / f"{name}.yaml").read_text())
-    for k, v in ex.items():
-        if k in ("advantage", "objective"):
-            d[k] = v
-        else:
-            d.setdefault(k, {}).update(v)
-    return d
+    """The example laid over the quickstart (its ``base:``), as ``megarl train`` reads it."""
+    from megarl.trainer.config_layers import read_layered_config
+
+    return read_layered_config(ROOT / "examples" / "methods" / f"{name}.yaml")
 
 
 @pytest.mark.parametrize("name", FAMILY2)

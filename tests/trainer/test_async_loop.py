@@ -307,11 +307,9 @@ def test_async_loop_runs_reward_shaping_and_multi_turn_methods(example, signal, 
     (round processor) and a multi-turn workflow (environment: retry) work there too."""
     import yaml
 
-    cfg = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
-    for section, body in yaml.safe_load(
-        (ROOT / "examples" / "methods" / f"{example}.yaml").read_text()
-    ).items():
-        cfg[section] = body if section in ("advantage", "objective") else {**cfg.get(section, {}), **body}
+    from megarl.trainer.config_layers import read_layered_config
+
+    cfg = read_layered_config(ROOT / "examples" / "methods" / f"{example}.yaml")  # over its base
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     run_dir = tmp_path / "run"
     run(
