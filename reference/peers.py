@@ -79,10 +79,11 @@ def token_covariance(adv: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tens
 
     verl takes the current log-probs of each micro-batch; megarl selects once per optimizer step
     on the whole batch, so with π_old's log-probs (equal to the current ones on the first update).
+    The means are rounded to 2^-20, so that near-ties do not hang on the order of the sums.
     [B, L] -> [B, L] (0 off the mask).
     """
     m = mask.bool()
-    a_mean, l_mean = adv[m].mean(), old_logp[m].mean()
+    a_mean, l_mean = (torch.round(x[m].mean() * 2**20) / 2**20 for x in (adv, old_logp))
     return torch.where(m, (adv - a_mean) * (old_logp - l_mean), torch.zeros_like(adv))
 
 
@@ -181,3 +182,125 @@ def bypass_reinforce(
     else:
         raise ValueError(f"is_level={is_level!r}; allowed: none, token, sequence")
     return -w * adv * logp
+
+
+# ------------------------------------------------------------------------- outcome advantages
+
+
+def remax_advantages(rewards: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
+    """ReMax: A_i = R_i − b(prompt of i), b the reward of the prompt's greedy response.
+
+    Provenance: code, verl ``compute_remax_outcome_advantage`` (Li et al. 2023, "ReMax", arXiv
+    2310.10505), outcome rewards only. rewards, baselines: [B] -> [B].
+    """
+    return rewards - baselines
+
+
+def opo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """OPO: A_i = R_i − Σ_g |y_j| R_j / Σ_g |y_j| (length-weighted group mean; a group of one: 0).
+
+    Provenance: code, verl ``compute_opo_outcome_advantage`` (Hao et al. 2025, "On-Policy RL with
+    Optimal Reward Baseline", arXiv 2505.23585). lengths: response tokens [B]. [B] -> [B].
+    """
+    out = torch.zeros_like(rewards)
+    for g in torch.unique(group_ids):
+        idx = (group_ids == g).nonzero().flatten()
+        if idx.numel() == 1:
+            out[idx] = rewards[idx]
+            continue
+        w = lengths[idx].to(rewards.dtype)
+        # every response empty: no loss token carries the advantage, the baseline is 0
+        base = (w * rewards[idx]).sum() / w.sum() if w.sum() > 0 else 0.0
+        out[idx] = rewards[idx] - base
+    return out
+
+
+def grpo_passk_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO pass@k: only each group's best response gets an advantage, r_max − r_second (divided by
+    the group's unbiased std + ε when ``scale_by_std``); every other response gets 0. Among equal
+    best rewards the first is "best" (its advantage is 0 then anyway).
+
+    Provenance: code, verl ``compute_grpo_passk_outcome_advantage`` (arXiv 2503.19595). A group of
+    fewer than 2 responses is an error. [B] -> [B].
+    """
+    out = torch.zeros_like(rewards)
+    for g in torch.unique(group_ids):
+        idx = (group_ids == g).nonzero().flatten()
+        r = rewards[idx]
+        if r.numel() < 2:
+            raise ValueError(
+                f"grpo_passk needs at least 2 responses per group; group {int(g)} has {r.numel()}"
+            )
+        best = int(torch.argmax(r))  # first of the maxima
+        second = torch.cat([r[:best], r[best + 1 :]]).max()
+        a = r[best] - second
+        if scale_by_std:
+            a = a / (r.std() + eps)
+        out[idx[best]] = a
+    return out
+
+
+# ------------------------------------------------------------------------------------------- KL
+
+
+def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """|logp − ref_logp| (verl's ``abs`` KL penalty). [B, L] -> [B, L]"""
+    return (logp - ref_logp).abs()
+
+
+def kl_k1_value_k2_grad(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Value of k1 = logp − ref, gradient of k2 = (logp − ref)²/2: (logp − ref)∇logp, the unbiased
+    reverse-KL gradient (verl's ``k1+``, straight-through). [B, L] -> [B, L]"""
+    x = logp - ref_logp
+    k2 = 0.5 * x**2
+    return x.detach() + k2 - k2.detach()
+
+
+class FixedKLController:
+    """β stays at its initial value (verl ``FixedKLController``)."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No change."""
+
+
+class AdaptiveKLController:
+    """β ← β · (1 + clip(KL/target − 1, −0.2, 0.2) · n_steps / horizon) after each batch.
+
+    Provenance: code, verl ``AdaptiveKLController`` (Ziegler et al. 2019, arXiv 1909.08593).
+    """
+
+    def __init__(self, kl_coef: float, target_kl: float, horizon: float):
+        self.value, self.target, self.horizon = kl_coef, target_kl, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """One batch of ``n_steps`` sequences with mean KL ``current_kl``."""
+        err = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + err * n_steps / self.horizon
+
+
+def kl_in_reward(
+    rewards: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    controller,
+    kl=lambda logp, ref_logp: logp - ref_logp,
+) -> tuple[torch.Tensor, float]:
+    """KL in the reward: R' = R − β Σ_t m kl_t (β = ``controller.value``; kl: k1 unless given, on
+    π_old's log-probs), then the controller sees
+    the batch's KL (the mean over sequences of each sequence's token-mean KL).
+
+    Provenance: code, verl ``apply_kl_penalty`` (token rewards − β·kl, summed by outcome
+    estimators). rewards [B], the rest [B, L]. Returns (R' [B], the KL the controller saw).
+    """
+    m = mask.to(old_logp.dtype)
+    k = kl(old_logp, ref_logp) * m
+    shaped = rewards - controller.value * k.sum(-1)
+    current = float((k.sum(-1) / m.sum(-1).clamp(min=1)).mean())
+    controller.update(current, rewards.numel())
+    return shaped, current

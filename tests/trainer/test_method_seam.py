@@ -44,6 +44,11 @@ METHOD_NAMES = (
     "kl_cov",
     "bypass",
     "bypass_reinforce",
+    "opo",
+    "grpo_passk",
+    "remax",
+    "kl_reward",
+    "k1_k2grad",
 )
 BASE = {
     "model": {"hf_config": {"model_type": "qwen3", "vocab_size": 32}, "alphabet": "0123456789R= "},

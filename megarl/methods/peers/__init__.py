@@ -1,8 +1,10 @@
 """Method family: the peers' objective catalogue (verl's core_algos), as plugins.
 
 Importing this package registers the policy losses ``gpg``, ``gmpo``, ``clip_cov``, ``kl_cov``,
-``bypass_reinforce`` and the advantage estimator ``gpg``. Formulas: reference/peers.py; docs:
-docs/methods/{gpg,gmpo,clip-cov,kl-cov,bypass}.md.
+``bypass_reinforce``, the advantage estimators ``gpg``, ``opo``, ``grpo_passk``, ``remax``,
+``kl_reward``, the KL estimators ``abs`` and ``k1_k2grad`` and the round input ``remax_baseline``.
+Formulas: reference/peers.py; docs: docs/methods/{gpg,gmpo,clip-cov,kl-cov,bypass,opo,grpo-passk,
+remax,kl-reward}.md.
 """
 
-from megarl.methods.peers import bypass, cov, gmpo, gpg  # noqa: F401
+from megarl.methods.peers import bypass, cov, gmpo, gpg, kl_reward, outcome, remax  # noqa: F401

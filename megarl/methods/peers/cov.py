@@ -41,12 +41,13 @@ def _check(ratio: float) -> None:
 
 
 def global_means(batch: PackedBatch, dp_group: Any) -> tuple[torch.Tensor, float]:
-    """(mean A, mean old) [2] over the loss tokens of all DP ranks, and their count."""
+    """(mean A, mean old) [2] over the loss tokens of all DP ranks, rounded to 2^-20, and their count."""
     m = batch.loss_mask.double()
     s = torch.stack([(m * batch.advantages.double()).sum(), (m * _old(batch)).sum(), m.sum()])
     comm.all_reduce(s, "sum", dp_group)
     n = float(s[2])
-    return s[:2] / max(n, 1.0), n
+    # rounded to 2^-20: the selection then does not hang on the summation order (packing, DP split)
+    return torch.round(s[:2] / max(n, 1.0) * 2**20) / 2**20, n
 
 
 def covariance(batch: PackedBatch, means: torch.Tensor) -> torch.Tensor:
