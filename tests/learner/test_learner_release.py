@@ -13,9 +13,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROUNDS = 8
 RSS_TOLERANCE_MB = 8.0
+pytestmark = pytest.mark.slow  # 12-25 s: 8 learners built and trained in a subprocess
 
 
 def test_dropped_learners_are_freed():

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
+pytestmark = pytest.mark.slow  # ~20 s each: megatron imported and a learner built in a subprocess
 
 
 def case(mode: str, run_dir: Path) -> dict:

@@ -1,7 +1,7 @@
 """One run per run directory: checkpoint.resume / checkpoint.on_existing at start-up (run_claim).
 
 A previous run's outputs are made by hand here (the layout megarl.rundir describes); the
-end-to-end case, with a real run, is in tests/trainer/test_run_dir_resume.py.
+end-to-end case, with a real run, is in tests/trainer/test_quickstart_run.py.
 """
 
 from __future__ import annotations
