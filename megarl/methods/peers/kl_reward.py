@@ -100,7 +100,7 @@ def _kl_reward(
     if info.make_state is not None or info.batch_inputs:
         raise ValueError(
             f"advantage.base={base!r} keeps state or reads its own batch inputs; kl_reward wraps a "
-            "stateless estimator of the rewards (grpo, dr_grpo, rloo, gae, opo, gpg, ...)"
+            "stateless estimator of the rewards (grpo, dr_grpo, rloo, opo, gpg, ...)"
         )
     if batch.ref_logprobs is None:
         raise ValueError("advantage.estimator=kl_reward needs the batch field 'ref_logprobs'")
