@@ -49,6 +49,7 @@ METHODS: dict[str, str] = {
     "grpo_passk": "megarl.methods.peers.outcome:GRPO_PASSK",
     "remax": "megarl.methods.peers.remax:SPEC",
     "kl_reward": "megarl.methods.peers.kl_reward:SPEC",
+    "otb": "megarl.methods.peers.otb:SPEC",
     "ppo_critic": "megarl.methods.critics.ppo:SPEC",
     "amrp": "megarl.rewards.shaping.amrp:SPEC",
     "care": "megarl.rewards.shaping.care:SPEC",

@@ -304,3 +304,44 @@ def kl_in_reward(
     current = float((k.sum(-1) / m.sum(-1).clamp(min=1)).mean())
     controller.update(current, rewards.numel())
     return shaped, current
+
+
+def optimal_token_baseline(
+    rewards: torch.Tensor,
+    old_logp: torch.Tensor,
+    sum_pi_sq: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Optimal token baseline (outcome rewards): a baseline per group and per response position.
+
+    w_t = 1 − 2π_t + Σ_v π_v² (π_t = exp(old_t); the squared norm of the score function),
+    W_t = Σ_{j ≤ t} w_j along the response, G_t = R (the return of an outcome reward), and over the
+    group's responses that have a t-th token: B_t = Σ_i G_{i,t} W_{i,t} / (Σ_i W_{i,t} + ε);
+    A_t = G_t − B_t. A group of one has baseline 0. Positions count loss tokens (the k-th loss
+    token of every response of a group shares B_k).
+    Provenance: code, verl ``compute_optimal_token_baseline_advantage`` (no IS weights, no
+    zero-tail option). rewards, group_ids [B]; the rest [B, L]. Returns [B, L] (0 off the mask).
+    """
+    B = rewards.numel()
+    m = mask.bool()
+    out = torch.zeros_like(old_logp)
+    cols = [m[b].nonzero().flatten() for b in range(B)]
+    W = []
+    for b in range(B):
+        w = 1 - 2 * torch.exp(old_logp[b, cols[b]]) + sum_pi_sq[b, cols[b]]
+        W.append(torch.cumsum(w, 0))
+    for g in torch.unique(group_ids):
+        members = (group_ids == g).nonzero().flatten().tolist()
+        for b in members:
+            for k in range(len(cols[b])):
+                if len(members) == 1:
+                    base = 0.0
+                else:
+                    have = [i for i in members if len(cols[i]) > k]
+                    num = sum(rewards[i] * W[i][k] for i in have)
+                    den = sum(W[i][k] for i in have) + eps
+                    base = num / den
+                out[b, cols[b][k]] = rewards[b] - base
+    return out

@@ -286,6 +286,14 @@ METHOD_MUTANTS = [
             "tests.methods.test_kl_peers:test_kl_reward_matches_reference",
         ),
     ),
+    Mutant(
+        "otb_weights_not_accumulated",
+        ("megarl.methods.peers.otb",),
+        "optimal_token_baseline",
+        "W = torch.cumsum(w, 1)[s, col]",
+        "W = w[s, col]",
+        ("tests.methods.test_otb:test_matches_reference",),
+    ),
     # reward shaping
     Mutant(
         "reward_floor_precision_denominator",

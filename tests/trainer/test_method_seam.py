@@ -49,6 +49,8 @@ METHOD_NAMES = (
     "remax",
     "kl_reward",
     "k1_k2grad",
+    "otb",
+    "sum_pi_squared",
 )
 BASE = {
     "model": {"hf_config": {"model_type": "qwen3", "vocab_size": 32}, "alphabet": "0123456789R= "},

@@ -2,9 +2,9 @@
 
 Importing this package registers the policy losses ``gpg``, ``gmpo``, ``clip_cov``, ``kl_cov``,
 ``bypass_reinforce``, the advantage estimators ``gpg``, ``opo``, ``grpo_passk``, ``remax``,
-``kl_reward``, the KL estimators ``abs`` and ``k1_k2grad`` and the round input ``remax_baseline``.
-Formulas: reference/peers.py; docs: docs/methods/{gpg,gmpo,clip-cov,kl-cov,bypass,opo,grpo-passk,
-remax,kl-reward}.md.
+``kl_reward``, ``otb``, the KL estimators ``abs`` and ``k1_k2grad`` and the round inputs
+``remax_baseline`` and ``sum_pi_squared``. Formulas: reference/peers.py; docs:
+docs/methods/{gpg,gmpo,clip-cov,kl-cov,bypass,opo,grpo-passk,remax,kl-reward,kl-estimators,otb}.md.
 """
 
-from megarl.methods.peers import bypass, cov, gmpo, gpg, kl_reward, outcome, remax  # noqa: F401
+from megarl.methods.peers import bypass, cov, gmpo, gpg, kl_reward, otb, outcome, remax  # noqa: F401
