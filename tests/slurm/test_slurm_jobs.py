@@ -105,10 +105,16 @@ def start_requeued_now(cluster: SlurmCluster, job: Job, started: str, timeout: f
     in CI as a requeued job that stayed pending for more than 240 s).
     """
     deadline = time.monotonic() + timeout
+    seen, updates = None, 0
     while started not in job.text():
         info = cluster.job_state(job.id)
+        state = tuple(info.get(k) for k in ("JobState", "Reason", "EligibleTime"))
+        if state != seen:  # the transitions, for the CI log (shown when the test fails)
+            print(f"requeue test: job {job.id} {state} after {updates} StartTime update(s)")
+            seen = state
         if info["JobState"] == "PENDING":
             cluster.cmd("scontrol", "update", f"JobId={job.id}", "StartTime=now", check=False)
+            updates += 1
         if time.monotonic() > deadline:
             state = cluster.cmd("scontrol", "show", "job", job.id, check=False).stdout
             nodes = cluster.cmd("sinfo", "-N", "-l", check=False).stdout
