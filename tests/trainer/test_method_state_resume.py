@@ -87,24 +87,29 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_resume_restores_estimator_objective_and_shaper_state(tmp_path):
-    cfg = config(tmp_path)
-    full = tmp_path / "full"
-    train(cfg, tmp_path, full)
-    ckpt = full / "checkpoints"
-    assert (ckpt / "step_000002" / "method.pt").is_file() and (
-        ckpt / "step_000002" / "objective.pt"
-    ).is_file()
-    resumed = tmp_path / "resumed"
+def resumed_step_3(cfg: Path, tmp: Path, keys: tuple[str, ...], saved: str) -> dict[int, dict]:
+    """Train 3 steps; resume a copy from its step-2 checkpoint (``saved``: a file it must hold) and
+    check that step 3 is redone exactly in ``keys``; returns the uninterrupted run's metrics."""
+    full = tmp / "full"
+    train(cfg, tmp, full)
+    assert (full / "checkpoints" / "step_000002" / saved).is_file()
+    resumed = tmp / "resumed"
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000003")
-    p = train(cfg, tmp_path, resumed)
+    p = train(cfg, tmp, resumed)
     assert "resumed from" in p.stdout and "(step 2)" in p.stdout
     a, b = metrics(full)[3], metrics(resumed)[3]
-    for k in STATEFUL:
+    for k in keys:
         assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (k, a[k], b[k])
+    return metrics(full)
+
+
+def test_resume_restores_estimator_objective_and_shaper_state(tmp_path):
+    cfg = config(tmp_path)
+    m = resumed_step_3(cfg, tmp_path, STATEFUL, "method.pt")
+    assert (tmp_path / "full" / "checkpoints" / "step_000002" / "objective.pt").is_file()
     # the state really carried information: GEPO's EMA is not the step-3 batch alone
-    assert metrics(full)[2]["adv/gepo_h_mean"] != a["adv/gepo_h_mean"]
+    assert m[2]["adv/gepo_h_mean"] != m[3]["adv/gepo_h_mean"]
 
 
 CRITIC = (
@@ -127,16 +132,6 @@ def test_resume_restores_the_critic(tmp_path):
     d["inputs"] = {"values": {"lr": 1.0e-3, "bounds": [-1.0, 2.0]}}  # V starts at 0.5, not at R = 0
     cfg = tmp_path / "critic.yaml"
     cfg.write_text(yaml.safe_dump(d))
-    full = tmp_path / "full"
-    train(cfg, tmp_path, full)
-    assert (full / "checkpoints" / "step_000002" / "hook_0" / "megarl.json").is_file()
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000003")
-    p = train(cfg, tmp_path, resumed)
-    assert "resumed from" in p.stdout and "(step 2)" in p.stdout
-    a, b = metrics(full)[3], metrics(resumed)[3]
-    for k in CRITIC:
-        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (k, a[k], b[k])
+    m = resumed_step_3(cfg, tmp_path, CRITIC, "hook_0/megarl.json")
     # the critic state carried information: its values moved from the head's initial 0.5
-    assert abs(a["critic/values_old"] - metrics(full)[1]["critic/values_old"]) > 1e-3
+    assert abs(m[3]["critic/values_old"] - m[1]["critic/values_old"]) > 1e-3
