@@ -345,3 +345,14 @@ def optimal_token_baseline(
                     base = num / den
                 out[b, cols[b][k]] = rewards[b] - base
     return out
+
+
+def dro(logp: torch.Tensor, roll_logp: torch.Tensor, adv: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
+    """DRO: REINFORCE on the sampler's tokens with a quadratic penalty on the log-ratio to the sampler:
+
+    ℓ = −A · logp + ½ β (logp − roll)²
+    Provenance: docs, Tinker's ``dro`` loss (Richemond et al. 2024, "Offline Regularised
+    Reinforcement Learning for LLM Alignment", arXiv 2405.19107; Kimi k1.5, arXiv 2501.12599).
+    [B, L] -> [B, L]
+    """
+    return -adv * logp + 0.5 * beta * (logp - roll_logp) ** 2

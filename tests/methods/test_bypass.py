@@ -92,3 +92,50 @@ def test_weights_are_truncated_at_the_threshold(case):
     assert float(w.max()) <= args["is_threshold"] and float(w.min()) >= 0
     big = is_weights(_current(case), b.rollout_logprobs, b.loss_mask, b.cu_seqlens, args["is_level"], 1e9)
     torch.testing.assert_close(w, big.clamp(max=args["is_threshold"]))
+
+
+# ------------------------------------------------------------------------------------------ DRO
+
+
+@st.composite
+def dro_cfgs(draw):
+    return ObjectiveConfig(
+        policy_loss="dro",
+        aggregation=draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "token-sum"])),
+        policy_loss_args={"beta": draw(st.sampled_from([0.0, 0.05, 1.0]))},
+    )
+
+
+def _dro_reference(case):
+    def fn(full, pad):
+        logp, _, adv, _ = padded_inputs(full, pad)
+        loss = rp.dro(logp, pad.per_token["rollout_logprobs"], adv, **case.cfg.policy_loss_args)
+        return aggregate(loss, pad, case.cfg.aggregation)
+
+    return reference_method_loss_and_grad(case, fn)
+
+
+@settings(max_examples=15)
+@given(
+    case=rl_cases(torch.float64, cfgs=dro_cfgs()),
+    tp=st.sampled_from([1, 2]),
+    dp=st.sampled_from([1, 2]),
+    mb=st.integers(1, 3),
+)
+def test_dro_matches_reference(case, tp, dp, mb):
+    assert_equivalent(megarl_method_loss_and_grad(case, tp, dp, mb), _dro_reference(case), case.logits)
+
+
+@settings(max_examples=10)
+@given(case=rl_cases(torch.float64, cfgs=dro_cfgs()))
+def test_dro_is_reinforce_plus_beta_times_the_k2_penalty_to_the_rollout(case):
+    """β = 0 is plain REINFORCE (GPG's loss); the penalty is k2 against the rollout log-probs: its
+    gradient is β(logp − roll)∇logp, zero on the rollout policy."""
+    beta = case.cfg.policy_loss_args["beta"]
+    got = megarl_loss_and_grad(case, tp=2, micro_batches=2)
+    gpg = dataclasses.replace(case.cfg, policy_loss="gpg", policy_loss_args={})
+    b = case.batch
+    as_ref = dataclasses.replace(b, ref_logprobs=b.rollout_logprobs)
+    with_k2 = dataclasses.replace(gpg, kl_coef=beta, kl_estimator="k2") if beta else gpg
+    want = megarl_loss_and_grad(dataclasses.replace(case, cfg=with_k2, batch=as_ref), tp=2, micro_batches=2)
+    assert_equivalent(got, want, case.logits, rtol=1e-10, atol=1e-12)

@@ -294,6 +294,14 @@ METHOD_MUTANTS = [
         "W = w[s, col]",
         ("tests.methods.test_otb:test_matches_reference",),
     ),
+    Mutant(
+        "dro_penalty_without_the_half",
+        ("megarl.methods.peers.bypass",),
+        "dro",
+        "0.5 * beta * (logp - batch.rollout_logprobs",
+        "beta * (logp - batch.rollout_logprobs",
+        ("tests.methods.test_bypass:test_dro_matches_reference",),
+    ),
     # reward shaping
     Mutant(
         "reward_floor_precision_denominator",

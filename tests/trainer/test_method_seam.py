@@ -51,6 +51,7 @@ METHOD_NAMES = (
     "k1_k2grad",
     "otb",
     "sum_pi_squared",
+    "dro",
 )
 BASE = {
     "model": {"hf_config": {"model_type": "qwen3", "vocab_size": 32}, "alphabet": "0123456789R= "},

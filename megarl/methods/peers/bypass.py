@@ -1,6 +1,9 @@
-"""Bypass mode, REINFORCE: the policy gradient on the rollout's own samples with π_old = π_rollout
-(no recomputed old log-probs), weighted by a truncated importance ratio π_θ/π_rollout (formula:
-reference/peers.py:bypass_reinforce). Registered as the policy loss ``bypass_reinforce``."""
+"""REINFORCE on the rollout's own samples, π_old = π_rollout (no recomputed old log-probs), two ways
+(formulas: reference/peers.py):
+
+- ``bypass_reinforce`` (verl's bypass mode): weighted by a truncated importance ratio π_θ/π_rollout;
+- ``dro``: a quadratic penalty ½β(logp − roll)² on the log-ratio to the sampler instead.
+"""
 
 from __future__ import annotations
 
@@ -75,9 +78,40 @@ POLICY_LOSSES.add(
     "bypass_reinforce", bypass_reinforce, PartInfo(needs_context=True, token_metrics=_token_metrics)
 )
 
+
+def dro(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    cu_seqlens,
+    clip_low=None,
+    clip_high=None,
+    dual_clip=None,
+    *,
+    batch: PackedBatch,
+    ctx=None,
+    beta: float = 0.05,
+) -> torch.Tensor:
+    """−A · logp + ½ β (logp − roll)², roll the rollout log-probs; [T] -> [T]."""
+    if batch.rollout_logprobs is None:
+        raise ValueError("policy_loss=dro needs the batch field 'rollout_logprobs'")
+    if not beta >= 0:
+        raise ValueError(f"objective.policy_loss_args.beta={beta!r} must be >= 0")
+    return -adv * logp + 0.5 * beta * (logp - batch.rollout_logprobs.to(logp.dtype)) ** 2
+
+
+POLICY_LOSSES.add("dro", dro, PartInfo(needs_context=True))
+
 SPEC = MethodSpec(
     name="bypass",
     summary="Bypass mode: REINFORCE on the rollout log-probs with a truncated IS weight",
     provenance="code",
     config={"objective": {"policy_loss": "bypass_reinforce"}, "schedule": {"old_logprobs": "rollout"}},
+)
+DRO = MethodSpec(
+    name="dro",
+    summary="DRO: REINFORCE on the rollout log-probs with a quadratic log-ratio penalty",
+    provenance="paper",
+    config={"objective": {"policy_loss": "dro"}, "schedule": {"old_logprobs": "rollout"}},
 )
