@@ -137,12 +137,23 @@ def check_signal(name: str, r: dict) -> None:
         assert st["method"]["step_hooks"] == [[]], st  # its state is sharded (hook_0/ in checkpoints)
     elif name in ("core-grpo", "core-reinforce-pp-baseline"):
         assert len(_any(r, "train/kl")) == STEPS  # the frozen reference learner was built
-    else:  # losses with their own token diagnostics
+    elif name == "clip-cov":  # the draw counter of the covariance selection is checkpointed
+        assert st["objective"] == ["policy_loss"], st
+        assert len(_any(r, "train/clip_cov/selected_frac")) == STEPS
+    elif name == "kl-reward":  # the KL controller is the estimator's checkpointed state
+        assert st["method"]["inputs"] == ["estimator"], st
+        assert len(_any(r, "kl_reward/coef")) == STEPS
+    else:  # losses with their own token diagnostics, round inputs with their own metric
         key = {
             "gapo": "train/gapo/clip_high",
             "estr": "train/estr/masked_frac",
             "sao": "train/sao_clip/out_of_band_frac",
             "output-reset": "train/output_reset/residual",
+            "gmpo": "train/gmpo/clipped_frac",
+            "kl-cov": "train/kl_cov/selected_frac",
+            "bypass": "train/bypass_reinforce/is_weight",
+            "remax": "remax/baseline_mean",
+            "otb": "otb/sum_pi_sq_mean",
         }.get(name)
         if key is not None:
             assert len(_any(r, key)) == STEPS, sorted(r["steps"][-1])
