@@ -11,6 +11,7 @@ from megarl.ops.segments import (
     group_leave_one_out_mean,
     group_mean,
     group_std,
+    segment_sum,
 )
 from megarl.registry import Registry
 
@@ -74,11 +75,12 @@ def gae(
     mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
     gamma: float = 1.0,
-    lam: float = 1.0,
+    lam: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over the masked-in tokens of each sequence (reverse scan, vectorised over sequences).
 
-    token_rewards, values, mask: [T] -> (advantages [T], returns [T]), 0 off the mask.
+    token_rewards, values, mask: [T]; lam: a float or one λ per sequence [B]
+    -> (advantages [T], returns [T]), 0 off the mask.
     """
     tok, s, col, counts, N = _compact(token_rewards, mask, cu_seqlens)
     B = counts.numel()
@@ -87,10 +89,11 @@ def gae(
     r[s, col] = token_rewards[tok].to(values.dtype)
     v[s, col] = values[tok]
     a = torch.zeros(B, N + 1, dtype=values.dtype)
+    decay = gamma * torch.as_tensor(lam, dtype=values.dtype)
     for t in range(N - 1, -1, -1):
         valid = (t < counts).to(values.dtype)
         delta = r[:, t] + gamma * v[:, t + 1] - v[:, t]
-        a[:, t] = (delta + gamma * lam * a[:, t + 1]) * valid
+        a[:, t] = (delta + decay * a[:, t + 1]) * valid
     adv = torch.zeros_like(values)
     adv[tok] = a[s, col]
     return adv, (adv + values) * mask.to(values.dtype)
@@ -165,14 +168,44 @@ def _reinforce_pp_baseline(batch: PackedBatch) -> torch.Tensor:
     return reinforce_pp_baseline(batch)
 
 
+def length_adaptive_lam(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """λ_i = 1 − 1/(α·L_i) per sequence, clamped to [0, 1]: a response shorter than 1/α tokens
+    (where the formula turns negative) gets λ = 0 (one-step TD), a 0-token one λ = 0. lengths: [B]."""
+    if not alpha > 0:
+        raise ValueError(f"advantage.lam_alpha={alpha!r} must be > 0")
+    L = lengths.double()
+    lam = 1.0 - 1.0 / (alpha * L.clamp(min=1.0))
+    return lam.clamp(min=0.0, max=1.0)
+
+
+def token_rewards(batch: PackedBatch) -> torch.Tensor:
+    """The batch's per-token rewards [T] (float64): ``batch.token_rewards``, else the outcome
+    reward on the last loss token of each sequence."""
+    r = batch.token_rewards
+    return (r if r is not None else _last_token_rewards(batch, scalar_rewards(batch))).double()
+
+
+def monte_carlo_returns(batch: PackedBatch, gamma: float = 1.0) -> torch.Tensor:
+    """Σ_k γ^k r_{t+k} over the loss tokens of each sequence (GAE with λ = 1, which makes the
+    values cancel); [T], 0 off the mask. With γ = 1 and an outcome reward: that reward."""
+    m = batch.loss_mask.double()
+    ret, _ = gae(token_rewards(batch), torch.zeros_like(m), m, batch.cu_seqlens, gamma, 1.0)
+    return ret
+
+
 @ADVANTAGE_ESTIMATORS.register("gae", batch_inputs=("values",))
-def _gae(batch: PackedBatch, gamma: float = 1.0, lam: float = 0.95) -> torch.Tensor:
+def _gae(
+    batch: PackedBatch, gamma: float = 1.0, lam: float = 0.95, lam_alpha: float | None = None
+) -> torch.Tensor:
+    """GAE over ``batch.values``; writes ``batch.returns`` (Â + V). ``lam_alpha``: the
+    length-adaptive λ of ``length_adaptive_lam`` per sequence instead of ``lam``."""
     if batch.values is None:
         raise ValueError("advantage_estimator=gae needs the batch field 'values'")
-    r = batch.token_rewards
-    if r is None:
-        r = _last_token_rewards(batch, scalar_rewards(batch))
-    adv, ret = gae(r.double(), batch.values.double(), batch.loss_mask.double(), batch.cu_seqlens, gamma, lam)
+    m = batch.loss_mask.double()
+    if lam_alpha is not None:
+        lengths = segment_sum(m, batch.cu_seqlens)
+        lam = length_adaptive_lam(lengths, lam_alpha)
+    adv, ret = gae(token_rewards(batch), batch.values.double(), m, batch.cu_seqlens, gamma, lam)
     batch.returns = ret.to(batch.values.dtype)
     return adv
 

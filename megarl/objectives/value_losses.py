@@ -41,7 +41,7 @@ def value_loss_per_token(
 
 
 class ValueObjective:
-    """Token-mean value loss over the global batch (``ctx.normalisers.num_tokens``)."""
+    """Token-mean value loss over the global batch (``ctx.normalisers.num_tokens``, at least 1)."""
 
     def __init__(self, kind: ValueLossKind = "clipped", clip: float = 0.2, huber_delta: float = 1.0):
         if kind not in VALUE_LOSS_KINDS:
@@ -57,7 +57,7 @@ class ValueObjective:
         per_token, clipped = value_loss_per_token(
             v, batch.values.to(v), batch.returns.to(v), self.kind, self.clip, self.huber_delta
         )
-        n = ctx.normalisers.num_tokens
+        n = max(ctx.normalisers.num_tokens, 1.0)  # a batch without loss tokens: 0, not 0/0
         d = v.detach()
         return LossOutput(
             loss=(per_token * m).sum() / n,

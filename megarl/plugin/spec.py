@@ -28,6 +28,15 @@ class StepHook(Protocol):
 
 
 @runtime_checkable
+class PolicyGate(Protocol):
+    """A step hook that may hold the policy still for an RL step (e.g. a critic's warm-up): when
+    any hook's ``updates_policy(step)`` is False the trainer skips that step's policy optimizer
+    steps; every hook's ``before_train`` and ``after_step`` (with empty metrics) still run."""
+
+    def updates_policy(self, step: int) -> bool: ...
+
+
+@runtime_checkable
 class ShardedState(Protocol):
     """A step hook that owns a model (a critic, a second policy): its sharded state is saved in a
     folder of every run checkpoint and loaded from it on resume (both collective)."""

@@ -175,14 +175,14 @@ class Trainer:
         for hook in run.method.step_hooks:
             batch = hook.before_train(step, batch)
         t0 = time.time()
-        train_metrics = self._optimizer_steps(step, batch)
+        train_metrics = self._optimizer_steps(step, batch) if run.method.updates_policy(step) else []
         for hook in run.method.step_hooks:
-            rec.update(hook.after_step(step, train_metrics[-1]))
+            rec.update(hook.after_step(step, train_metrics[-1] if train_metrics else {}))
         t_train = time.time() - t0
         t0 = time.time()
         self.source.update_weights(step)
         t_sync = time.time() - t0
-        for k in train_metrics[-1]:
+        for k in train_metrics[-1] if train_metrics else ():
             rec[f"train/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)
         rec["train/optimizer_steps"] = len(train_metrics)
         rec.update(rollout_metrics(run, ro, rstats))

@@ -21,7 +21,7 @@ from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.plugin.inputs import INPUT_PROVIDERS, RolloutInfo, provider_for
 from megarl.plugin.knobs import build_knobs
-from megarl.plugin.spec import MethodParts, ShardedState, StepHook
+from megarl.plugin.spec import MethodParts, PolicyGate, ShardedState, StepHook
 
 
 @runtime_checkable
@@ -163,6 +163,10 @@ class MethodRuntime:
         if missing:
             raise ValueError(f"the rollouts carry no {missing[0]!r} (needed by {self.inputs[missing[0]]})")
         return out
+
+    def updates_policy(self, step: int) -> bool:
+        """False when a step hook holds the policy still this step (``PolicyGate``)."""
+        return all(h.updates_policy(step) for h in self.step_hooks if isinstance(h, PolicyGate))
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_parts(self) -> list[tuple[str, ShardedState]]:

@@ -10,7 +10,10 @@ saved in every run checkpoint and restored on resume.
 
 Knobs (``inputs.values.<knob>``): lr, value_loss (mse | clipped | huber), value_clip, huber_delta,
 epochs, init (policy | random), bounds ([low, high]: values squashed into the reward range),
-whiten_advantages (batch whitening of the advantages before the policy update).
+whiten_advantages (batch whitening of the advantages before the policy update), targets (estimator:
+the returns the advantage estimator wrote | monte_carlo: the discounted reward-to-go, GAE with
+λ = 1), warmup_steps (the first N RL steps train the critic only: the hook asks the trainer to skip
+the policy's optimizer steps, ``updates_policy``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megarl.advantages.estimators import monte_carlo_returns
 from megarl.batch import PackedBatch
 from megarl.objectives.api import GlobalNormalisers
 from megarl.objectives.value_losses import VALUE_LOSS_KINDS, ValueObjective
@@ -41,6 +45,8 @@ class CriticKnobs(Knobs):
     init: str = "policy"
     bounds: list | None = None
     whiten_advantages: bool = False
+    targets: str = "estimator"
+    warmup_steps: int = 0
 
     def check(self) -> None:
         """Ranges and names."""
@@ -56,6 +62,24 @@ class CriticKnobs(Knobs):
             raise ValueError(f"init={self.init!r}; known: policy, random")
         if self.bounds is not None and (len(self.bounds) != 2 or not self.bounds[0] < self.bounds[1]):
             raise ValueError(f"bounds={self.bounds} must be [low, high] with low < high")
+        if self.targets not in VALUE_TARGETS:
+            raise ValueError(f"targets={self.targets!r}; known: {', '.join(VALUE_TARGETS)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+
+
+VALUE_TARGETS: tuple[str, ...] = ("estimator", "monte_carlo")
+
+
+def value_targets(batch: PackedBatch, targets: str, gamma: float = 1.0) -> torch.Tensor | None:
+    """The critic's regression targets [T]: the estimator's returns (``batch.returns``, None when
+    it wrote none) or the Monte Carlo return (``monte_carlo_returns``, in the dtype of the values)."""
+    if targets == "estimator":
+        return batch.returns
+    if targets != "monte_carlo":
+        raise ValueError(f"inputs.values.targets={targets!r}; known: {', '.join(VALUE_TARGETS)}")
+    dtype = batch.values.dtype if batch.values is not None else torch.float32
+    return monte_carlo_returns(batch, gamma).to(dtype)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -100,12 +124,19 @@ class Critic:
         return {"critic/values_old": float(batch.values[m].mean()) if bool(m.any()) else 0.0}
 
     # ---------------------------------------------------------------- step hook
+    def updates_policy(self, step: int) -> bool:
+        """False during the critic's warm-up (RL steps 1..warmup_steps): the policy stays as it is."""
+        return step > self.knobs.warmup_steps
+
     def before_train(self, step: int, batch: PackedBatch) -> PackedBatch:
-        """Keep the batch (values, returns) for the critic's update; whiten advantages if asked."""
+        """Keep the batch (values, targets) for the critic's update; whiten advantages if asked."""
+        gamma = float(self.ctx.cfg.advantage.knobs.get("gamma", 1.0))
+        batch.returns = value_targets(batch, self.knobs.targets, gamma)
         if batch.returns is None:
             raise ValueError(
                 "inputs.values: the critic trains toward batch.returns, which this run's advantage "
-                "estimator does not write (use advantage.estimator: gae)"
+                "estimator does not write (use advantage.estimator: gae, or inputs.values.targets: "
+                "monte_carlo)"
             )
         if self.knobs.whiten_advantages:
             batch.advantages = whiten(batch.advantages, batch.loss_mask)
@@ -130,6 +161,8 @@ class Critic:
         keep = ("value_loss", "value_clipfrac", "value_mean", "value_abs_error", "grad_norm", "lr")
         res = {f"critic/{k}": out[k] for k in keep if k in out}
         res["critic/explained_variance"] = explained
+        if self.knobs.warmup_steps:
+            res["critic/warmup"] = float(not self.updates_policy(step))
         return res
 
     def state_dict(self) -> dict:
