@@ -334,6 +334,43 @@ METHOD_MUTANTS = [
             "tests.property.test_value_loss:test_clipped_is_at_least_mse_and_equals_it_with_a_wide_clip",
         ),
     ),
+    Mutant(
+        "bpco_lambda_not_clamped_at_zero",
+        ("megarl.advantages.estimators",),
+        "length_adaptive_lam",
+        "lam.clamp(min=0.0, max=1.0)",
+        "lam.clamp(max=1.0)",
+        (
+            "tests.methods.test_bpco:test_short_responses_get_lambda_zero_not_a_negative_one",
+            "tests.methods.test_bpco:test_lagae_and_monte_carlo_targets_match_reference",
+        ),
+    ),
+    Mutant(
+        "bpco_lambda_alpha_inverted",
+        ("megarl.advantages.estimators",),
+        "length_adaptive_lam",
+        "1.0 - 1.0 / (alpha * L.clamp(min=1.0))",
+        "1.0 - alpha / L.clamp(min=1.0)",
+        ("tests.methods.test_bpco:test_lagae_and_monte_carlo_targets_match_reference",),
+    ),
+    Mutant(
+        "monte_carlo_targets_with_gae_lambda",
+        ("megarl.advantages.estimators",),
+        "monte_carlo_returns",
+        "batch.cu_seqlens, gamma, 1.0)",
+        "batch.cu_seqlens, gamma, 0.95)",
+        (
+            "tests.methods.test_bpco:test_monte_carlo_targets_are_the_outcome_reward_whatever_alpha_and_values",
+        ),
+    ),
+    Mutant(
+        "critic_warmup_one_step_short",
+        ("megarl.methods.critics.critic",),
+        "Critic.updates_policy",
+        "step > self.knobs.warmup_steps",
+        "step >= self.knobs.warmup_steps",
+        ("tests.methods.test_bpco:test_warmup_holds_the_policy_for_exactly_n_steps",),
+    ),
 ]
 
 
