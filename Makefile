@@ -10,13 +10,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-python test test-fast quickstart bench lint
+.PHONY: setup setup-python setup-sglang test test-fast quickstart bench lint
 
 setup:
 	bash tests/setup/all.sh
 
 setup-python:
 	bash tests/setup/10-python.sh
+
+# SGLang 0.5.23 on CPU in .venv-sglang (opt-in: ~8 minutes, 3.2 GB); the live SGLang tests need it.
+setup-sglang:
+	bash tests/setup/40-sglang.sh
 
 lint: setup-python
 	@rc=0; \
