@@ -10,9 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import typing
 from collections.abc import Callable, Iterable
 from typing import Any
+
+# a decimal number as YAML 1.1 leaves it a string (1e-4, no dot) or as typed on the command line
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def as_float_if_number(v: Any, kind: type) -> Any:
+    """``v`` as a float when ``kind`` is float and ``v`` is a string that spells a number (``"1e-4"``);
+    else ``v`` unchanged."""
+    if kind is float and isinstance(v, str) and _NUMBER.fullmatch(v.strip()):
+        return float(v)
+    return v
 
 
 def check_value(key: str, v: Any, kind: type, strict_int: bool = False) -> None:
@@ -37,7 +49,8 @@ def check_call_knobs(
     also_allowed: Iterable[str] = (),
 ) -> None:
     """``knobs`` as keyword arguments of ``fn``: every key a parameter (other than ``skip``), every
-    value of its default's kind (bool or number). Errors name ``where.<key>`` and ``owner``."""
+    value of its default's kind (bool or number; a string spelling a number is turned into a float
+    in ``knobs`` where the default is a float). Errors name ``where.<key>`` and ``owner``."""
     params = {n: p for n, p in inspect.signature(fn).parameters.items() if n not in set(skip)}
     for k, v in knobs.items():
         if k not in params:
@@ -45,6 +58,7 @@ def check_call_knobs(
             raise ValueError(f"unknown key {where}.{k} for {owner}; allowed: {', '.join(allowed)}")
         d = params[k].default
         if isinstance(d, (bool, int, float)):  # only defaults that say a kind are checked
+            knobs[k] = v = as_float_if_number(v, type(d))
             check_value(f"{where}.{k}", v, type(d))
 
 
@@ -68,6 +82,7 @@ def build_knobs(cls: type | None, raw: dict, where: str) -> Any:
     for k, v in raw.items():
         if k not in fields:
             raise ValueError(f"unknown key {where}.{k}; allowed: {', '.join(fields) or 'none'}")
+        raw[k] = v = as_float_if_number(v, hints[k])
         check_value(f"{where}.{k}", v, hints[k], strict_int=True)
     out = cls(**{k: (float(v) if hints[k] is float else v) for k, v in raw.items()})
     if isinstance(out, Knobs):
