@@ -8,7 +8,9 @@ Layout of ``DUMP = run_dir/dumps/step_000003/``::
                      run checkpoint of the previous step when one exists
     batches.pt       per optimizer step: the exact PackedBatch the learner got (after any poison),
                      its number of micro-batches and global normalisers; with data parallelism the
-                     shares of every DP rank too (``dp_shares``, in DP-rank order)
+                     shares of every DP rank too (``dp_shares``, in DP-rank order); when the step
+                     poisoned the batch, the batch before the poison (``clean_batch``,
+                     ``clean_dp_shares``)
     state.pt         objective state and learner step BEFORE the step, torch / Python RNG states
     weights/         the policy weights BEFORE the step as a HF checkpoint (config.json +
                      safetensors, the names megarl.convert writes): what ``--model`` defaults to
@@ -239,6 +241,14 @@ def write_dump(
                 "num_micro_batches": int(b["num_micro_batches"]),
                 "normalisers": dataclasses.asdict(b["normalisers"]),
                 "dp_shares": [batch_to_dict(x) for x in b.get("dp_shares") or []],
+                **(
+                    {
+                        "clean_batch": batch_to_dict(b["clean_batch"]),
+                        "clean_dp_shares": [batch_to_dict(x) for x in b.get("clean_dp_shares") or []],
+                    }
+                    if b.get("clean_batch") is not None
+                    else {}
+                ),
             }
             for b in batches
         ],
@@ -293,6 +303,8 @@ def read_dump(dump_dir: str | os.PathLike) -> tuple[dict, list[dict], dict]:
             "num_micro_batches": r["num_micro_batches"],
             "normalisers": GlobalNormalisers(**r["normalisers"]),
             "dp_shares": [batch_from_dict(x) for x in r.get("dp_shares") or []],
+            "clean_batch": batch_from_dict(r["clean_batch"]) if r.get("clean_batch") is not None else None,
+            "clean_dp_shares": [batch_from_dict(x) for x in r.get("clean_dp_shares") or []],
         }
         for r in raw
     ]

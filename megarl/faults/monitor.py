@@ -151,19 +151,30 @@ class FaultMonitor:
                 self.snapshot = self._take_snapshot(step, objective)
             if self.router is not None:
                 self.router.start()
+        clean = batch
         batch, poisoned = self.injector.poison(batch, step)
         armed = self.injector.arm(step)
         for s in poisoned + armed:
             if s not in self.injected:
                 self.injected.append(s)
         rec = {"batch": batch, "num_micro_batches": num_micro_batches, "normalisers": normalisers}
+        if poisoned:
+            # the batch before the poison: a replay on a proxy recomputes old logprobs on it and
+            # poisons it again (recomputing them on the poisoned tokens would erase the fault)
+            rec["clean_batch"] = clean
         if self._wants_snapshot(step) and self.groups.dp_size > 1:
             # every DP rank's share, so a dump holds the whole optimizer step (collective over DP)
-            shares: list = [None] * self.groups.dp_size
-            dist.all_gather_object(shares, batch_to_dict(batch), group=self.groups.dp)
-            rec["dp_shares"] = [batch_from_dict(x) for x in shares]
+            rec["dp_shares"] = self._gather_shares(batch)
+            if poisoned:
+                rec["clean_dp_shares"] = self._gather_shares(clean)
         self.batches.append(rec)
         return batch
+
+    def _gather_shares(self, batch: PackedBatch) -> list[PackedBatch]:
+        """Every DP rank's ``batch``, in DP-rank order (collective over the DP group)."""
+        shares: list = [None] * self.groups.dp_size
+        dist.all_gather_object(shares, batch_to_dict(batch), group=self.groups.dp)
+        return [batch_from_dict(x) for x in shares]
 
     def after_train(self, step: int, metrics: dict) -> None:
         """After one ``learner.train_step``: remove the injection hooks, keep its metrics."""

@@ -3,8 +3,9 @@
 The step's optimizer steps (``learner.train_step`` on the exact dumped batches, micro-batch counts,
 normalisers, objective state and learning rates) run on the Megatron learner holding ``--model``:
 the dump's own pre-step weights by default, or a proxy pruned from them (fewer routed experts,
-everything else the same shape). The step's injections are applied again (``--no-inject``: not),
-and the same detectors judge the result against the run's baselines as they were before the step.
+everything else the same shape). The step's injections are applied again (``--no-inject``: not;
+batch poison goes back onto the dump's clean batch, see megarl.proxy.replay_batches), and the same
+detectors judge the result against the run's baselines as they were before the step.
 
 Compatibility is checked before any work (vocabulary, layers, hidden size, heads, head dim, dense
 vs MoE; recorded routes need the same experts). On the dumped model, with the dump's thread count
@@ -27,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.faults.dump import DumpError, check_compatible, concat_batches, default_weights, read_dump
+from megarl.faults.dump import DumpError, check_compatible, default_weights, read_dump
+from megarl.proxy.replay_batches import prepare_batches
 
 
 def _num(x) -> float:
@@ -128,14 +130,6 @@ def replay_dump(
     load_builtin()  # the dumped run's method parts (objective parts register when their family loads)
     model_cfg = run_cfg["model"]
     groups = initialize_parallel(layout, seed=model_cfg["seed"])
-    for b in batches:
-        # data-parallel dumps hold every DP rank's share: this rank's, or all of them on one replica
-        if b["dp_shares"]:
-            b["batch"] = (
-                b["dp_shares"][groups.dp_rank]
-                if groups.dp_size == len(b["dp_shares"])
-                else concat_batches(b["dp_shares"])
-            )
     learner = build_learner(
         hf, groups, OptimConfig(**run_cfg["optimizer"]), model_cfg["params_dtype"], model_cfg["seed"]
     )
@@ -158,32 +152,26 @@ def replay_dump(
     if state.get("detectors"):
         suite.load_state_dict(state["detectors"])
     guard = NonFiniteGuard(learner).install() if dcfg.skip_nonfinite else None
-    specs = [injection_from_dict(d, "dump injections") for d in meta.get("injections", [])] if inject else []
+    recorded = [injection_from_dict(d, "dump injections") for d in meta.get("injections", [])]
     injector = Injector(
-        learner.model, [s for s in specs if s.kind != "poison"], groups.device.type, learner.spec.vocab_size
+        learner.model, recorded if inject else [], groups.device.type, learner.spec.vocab_size
     )
     spec = learner.spec
     router = RouterLoadCounter(learner.model, spec.moe_layers, spec.num_experts) if spec.is_moe else None
     if router is not None:
         router.start()
-    recompute = old_logprobs == "recompute" or (
-        old_logprobs == "auto" and int(meta["model"]["num_experts"]) != learner.spec.num_experts
+    prep = prepare_batches(
+        batches,
+        learner,
+        injector if inject else None,
+        step,
+        groups,
+        recorded,
+        old_logprobs,
+        proxy=int(meta["model"]["num_experts"]) != learner.spec.num_experts,
     )
-    if recompute:
-        for b in batches:
-            mb = b["batch"]
-            if mb.old_logprobs is None:
-                continue
-            new_old, _ = learner.compute_logprobs(mb, b["num_micro_batches"])
-            if mb.rollout_logprobs is not None:
-                # keep the run's per-token engine-vs-learner difference, moved onto this model's policy
-                mb.rollout_logprobs = new_old + (mb.rollout_logprobs - mb.old_logprobs)
-            mb.old_logprobs = new_old
-        notes.append(
-            "old logprobs recomputed with this model (on-policy, as the run was); rollout logprobs "
-            "moved with them (the run's engine-vs-learner difference kept per token)"
-        )
-    replayed = []
+    notes += prep["notes"]
+    replayed, armed = [], []
     for i, b in enumerate(batches):
         recorded_lr = (
             (meta["optimizer_steps"][i] or {}).get("lr") if i < len(meta["optimizer_steps"]) else None
@@ -191,7 +179,7 @@ def replay_dump(
         if recorded_lr is not None:
             for g in learner.optimizer.param_groups:
                 g["lr"] = float(recorded_lr)
-        injector.arm(step)
+        armed += [s.kind for s in injector.arm(step) if s.kind not in armed]
         try:
             m = learner.train_step(b["batch"], objective, b["num_micro_batches"], b["normalisers"])
         finally:
@@ -232,7 +220,9 @@ def replay_dump(
         "step": step,
         "model": model,
         "notes": notes,
-        "injections": [s.kind for s in specs],
+        # what this replay applied itself, and what it found already in the dumped batch
+        "injections": sorted(set(armed) | ({"poison"} if prep["poison"] else set())),
+        "injections_in_batch": ["poison"] if prep["in_batch"] else [],
         "optimizer_steps": opt,
         "record": rec,
         "events": events,
@@ -248,6 +238,10 @@ def format_report(rep: dict) -> str:
     lines += [f"  note: {n}" for n in rep["notes"]]
     if rep["injections"]:
         lines.append(f"  injections re-applied: {', '.join(rep['injections'])}")
+    if rep.get("injections_in_batch"):
+        lines.append(
+            f"  already in the dumped batch (used as dumped): {', '.join(rep['injections_in_batch'])}"
+        )
     for i, o in enumerate(rep["optimizer_steps"]):
         r, p = o["recorded"], o["replayed"]
         lines.append(

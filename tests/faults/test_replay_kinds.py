@@ -1,0 +1,170 @@
+"""Replay keeps every injected fault kind on a proxy.
+
+One 10-step run of tests/faults/recipe.yaml on the tiny Qwen3-MoE (8 experts, top-2) injects one
+fault kind per step from step 4 on (token poison, advantage poison, NaN output, Inf gradient, fp16
+loss-scale overflow, bfloat16 attention, scaled logits) and dumps every one of those steps. Each
+dump is replayed with the default options on a proxy made from the dump's own pre-step weights
+(4 of the 8 experts kept bit-exactly, the documented route); the replay must fire the recorded
+event types, and its list of re-applied injections must be what it really applied.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.faults.tiny_moe import make_moe_dir, slice_experts
+
+ROOT = Path(__file__).parents[2]
+RECIPE = ROOT / "tests" / "faults" / "recipe.yaml"
+pytestmark = pytest.mark.slow
+
+KINDS = {
+    4: ("poison", "{kind: poison, field: tokens, fraction: 0.3, step: 4}"),
+    5: ("poison", "{kind: poison, field: advantages, scale: 1000.0, step: 5}"),
+    6: ("nan", "{kind: nan, target: decoder.layers.0.mlp, step: 6}"),
+    7: (
+        "inf",
+        "{kind: inf, where: grad, target: decoder.layers.1.self_attention.linear_proj.weight, step: 7}",
+    ),
+    8: ("fp16", "{kind: fp16, target: decoder.layers.1.mlp, step: 8, loss_scale: 1.0e+9}"),
+    9: ("bf16", "{kind: bf16, target: decoder.layers.0.self_attention, step: 9}"),
+    10: ("logits", "{kind: logits, scale: 3.0, step: 10}"),
+}
+
+SCRIPT = (
+    "import json, sys\n"
+    "from megarl.proxy.replay import replay_dump\n"
+    "out = [replay_dump(d, m or None, inject=i) for d, m, i in json.loads(sys.argv[1])]\n"
+    "print('REPORT' + json.dumps(out, default=str))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from megarl.data.tasks import generate_task_files
+
+    tmp = tmp_path_factory.mktemp("kinds")
+    generate_task_files(
+        train_path=str(tmp / "train.jsonl"),
+        eval_path=str(tmp / "eval.jsonl"),
+        task="reverse",
+        digits=3,
+        num_train=200,
+        num_eval=8,
+        seed=0,
+    )
+    orig = make_moe_dir(tmp / "orig")
+    inject = "faults.inject=[" + ", ".join(v for _, v in KINDS.values()) + "]"
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megarl.cli",
+            "train",
+            str(RECIPE),
+            f"model.hf_dir={orig}",
+            f"logging.run_dir={tmp / 'run'}",
+            "schedule.steps=10",
+            f"data.train={tmp / 'train.jsonl'}",
+            f"data.eval={tmp / 'eval.jsonl'}",
+            inject,
+            f"faults.dump_steps=[{', '.join(str(s) for s in KINDS)}]",
+            "faults.dump_learner_state=false",
+            "faults.detectors.logprob_gap_max=1.0e-4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), MEGARL_NUM_THREADS="1"),
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return tmp
+
+
+def replay(jobs: list) -> list[dict]:
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(jobs)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return json.loads(p.stdout.split("REPORT", 1)[1])
+
+
+def types(events: list[dict]) -> list[str]:
+    return sorted({e["type"] for e in events})
+
+
+@pytest.fixture(scope="module")
+def reports(run):
+    """Every replay of the tests in one process (start-up dominates a replay of this model)."""
+    import shutil
+
+    import torch
+
+    dumps = run / "run" / "dumps"
+    jobs = []
+    for step in KINDS:
+        d = dumps / f"step_{step:06d}"
+        proxy = slice_experts(d / "weights", run / f"proxy_{step}", [0, 2, 4, 6])
+        jobs.append((str(d), str(proxy), True))
+    tok = dumps / "step_000004"
+    jobs += [(str(tok), "", True), (str(tok), "", False)]
+    # the same dump without its clean batch (as a dump that does not carry one)
+    bare = run / "bare" / "step_000004"
+    shutil.copytree(tok, bare)
+    raw = torch.load(bare / "batches.pt", weights_only=True)
+    for r in raw:
+        r.pop("clean_batch", None)
+        r.pop("clean_dp_shares", None)
+    torch.save(raw, bare / "batches.pt")
+    jobs += [(str(bare), str(run / "proxy_4"), True), (str(bare), str(run / "proxy_4"), False)]
+    reps = replay(jobs)
+    n = len(KINDS)
+    return {"kinds": reps[:n], "original": reps[n : n + 2], "bare": reps[n + 2 :]}
+
+
+def test_every_injected_kind_replays_with_its_recorded_event_on_a_proxy(reports):
+    reps = reports["kinds"]
+    for (step, (kind, _)), rep in zip(KINDS.items(), reps):
+        recorded = types(rep["recorded_events"])
+        assert recorded, (step, "the run recorded no event for", kind)
+        assert types(rep["events"]) == recorded, (step, kind, rep["events"], rep["notes"])
+        assert rep["same_event_types"]
+        assert rep["injections"] == [kind], (step, rep["injections"])
+        assert rep["injections_in_batch"] == [], (step, rep)
+    # the token poison is put back on the dump's clean batch after the proxy's own old logprobs
+    tokens = reps[0]
+    assert any("clean batch" in n for n in tokens["notes"]), tokens["notes"]
+    assert not any("differs from the dumped batch" in n for n in tokens["notes"]), tokens["notes"]
+
+
+def test_token_poison_replays_exactly_on_the_original_and_goes_away_without_injection(run, reports):
+    meta = json.loads((run / "run" / "dumps" / "step_000004" / "dump.json").read_text())
+    exact, clean = reports["original"]
+    assert exact["optimizer_steps"][0]["exact"], exact["optimizer_steps"]
+    assert exact["optimizer_steps"][0]["replayed"]["loss"] == meta["optimizer_steps"][0]["loss"]
+    assert types(exact["events"]) == types(meta["events"])
+    # --no-inject: the clean batch, so the fault is gone, and nothing claims to be applied
+    assert clean["injections"] == [] and clean["injections_in_batch"] == []
+    assert clean["events"] == [], clean["events"]
+
+
+def test_a_dump_without_its_clean_batch_keeps_the_dumped_old_logprobs_and_says_so(reports):
+    rep, no_inject = reports["bare"]
+    assert rep["injections"] == [] and rep["injections_in_batch"] == ["poison"]
+    assert any("old logprobs kept from the dump" in n for n in rep["notes"]), rep["notes"]
+    assert "loss_spike" in types(rep["events"]), rep["events"]
+    # without a clean batch the poison cannot be taken out: said, not hidden
+    assert no_inject["injections_in_batch"] == ["poison"]
+    assert any("cannot be removed" in n for n in no_inject["notes"]), no_inject["notes"]
