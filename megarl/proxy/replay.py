@@ -96,7 +96,7 @@ def replay_dump(
     from megarl.faults.config import DetectorConfig
     from megarl.faults.detectors import DetectorSuite, router_load_stats
     from megarl.faults.guard import NonFiniteGuard
-    from megarl.faults.injection import Injector, injection_from_dict
+    from megarl.faults.injection import InjectionError, Injector, injection_from_dict
     from megarl.faults.router_stats import RouterLoadCounter
     from megarl.learner.factory import build_learner
     from megarl.learner.optim_config import OptimConfig
@@ -153,9 +153,16 @@ def replay_dump(
         suite.load_state_dict(state["detectors"])
     guard = NonFiniteGuard(learner).install() if dcfg.skip_nonfinite else None
     recorded = [injection_from_dict(d, "dump injections") for d in meta.get("injections", [])]
-    injector = Injector(
-        learner.model, recorded if inject else [], groups.device.type, learner.spec.vocab_size
-    )
+    try:
+        injector = Injector(
+            learner.model, recorded if inject else [], groups.device.type, learner.spec.vocab_size
+        )
+    except InjectionError as e:
+        # e.g. a fault in a routed expert the proxy pruned away: say so instead of replaying without it
+        raise DumpError(
+            f"the dump's injection cannot be applied on {model} ({e}); replay on a model that "
+            "has that module or parameter, or with --no-inject"
+        ) from None
     spec = learner.spec
     router = RouterLoadCounter(learner.model, spec.moe_layers, spec.num_experts) if spec.is_moe else None
     if router is not None:
@@ -289,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     except DumpError as e:
         print(f"megarl proxy replay: {e}", file=sys.stderr)
         return 2
-    rep = replay_dump(args.dump, args.model, inject=not args.no_inject, old_logprobs=args.old_logprobs)
+    try:
+        rep = replay_dump(args.dump, args.model, inject=not args.no_inject, old_logprobs=args.old_logprobs)
+    except DumpError as e:
+        print(f"megarl proxy replay: {e}", file=sys.stderr)
+        return 2
     print(format_report(rep), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rep, indent=1, default=str))

@@ -38,7 +38,13 @@ KINDS = {
 SCRIPT = (
     "import json, sys\n"
     "from megarl.proxy.replay import replay_dump\n"
-    "out = [replay_dump(d, m or None, inject=i) for d, m, i in json.loads(sys.argv[1])]\n"
+    "from megarl.faults.dump import DumpError\n"
+    "out = []\n"
+    "for d, m, i in json.loads(sys.argv[1]):\n"
+    "    try:\n"
+    "        out.append(replay_dump(d, m or None, inject=i))\n"
+    "    except DumpError as e:\n"
+    "        out.append({'error': str(e)})\n"
     "print('REPORT' + json.dumps(out, default=str))\n"
 )
 
@@ -129,9 +135,21 @@ def reports(run):
         r.pop("clean_dp_shares", None)
     torch.save(raw, bare / "batches.pt")
     jobs += [(str(bare), str(run / "proxy_4"), True), (str(bare), str(run / "proxy_4"), False)]
+    # a NaN in routed expert 6 of layer 0: the 4-expert proxy has no such expert
+    expert = run / "expert" / "step_000006"
+    shutil.copytree(dumps / "step_000006", expert)
+    meta = json.loads((expert / "dump.json").read_text())
+    meta["injections"][0]["target"] = "decoder.layers.0.mlp.experts.local_experts.6"
+    (expert / "dump.json").write_text(json.dumps(meta))
+    jobs += [(str(expert), "", True), (str(expert), str(run / "proxy_6"), True)]
     reps = replay(jobs)
     n = len(KINDS)
-    return {"kinds": reps[:n], "original": reps[n : n + 2], "bare": reps[n + 2 :]}
+    return {
+        "kinds": reps[:n],
+        "original": reps[n : n + 2],
+        "bare": reps[n + 2 : n + 4],
+        "expert": reps[n + 4 :],
+    }
 
 
 def test_every_injected_kind_replays_with_its_recorded_event_on_a_proxy(reports):
@@ -168,3 +186,11 @@ def test_a_dump_without_its_clean_batch_keeps_the_dumped_old_logprobs_and_says_s
     # without a clean batch the poison cannot be taken out: said, not hidden
     assert no_inject["injections_in_batch"] == ["poison"]
     assert any("cannot be removed" in n for n in no_inject["notes"]), no_inject["notes"]
+
+
+def test_a_fault_in_an_expert_the_proxy_pruned_is_refused_not_dropped(reports):
+    on_original, on_proxy = reports["expert"]
+    assert "error" not in on_original, on_original
+    assert on_original["injections"] == ["nan"] and "nonfinite" in types(on_original["events"])
+    err = on_proxy["error"]
+    assert "cannot be applied on" in err and "local_experts.6" in err and "--no-inject" in err, err
