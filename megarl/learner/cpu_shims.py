@@ -17,6 +17,10 @@ Shims (P1..P9):
   ``TorchFunctionMode``), for schedules, grad buffers, optimizer and clip_grads.
 - P9 ``Tensor.type()`` of a CPU float tensor reads as ``torch.cuda.*Tensor`` for the optimizer's asserts.
   Only while the P8 mode is active, and only for the string form (``t.type()`` with no argument).
+- P10 ``one_process_groups()``: in a world of one process, megatron's groups (tensor, pipeline, data,
+  expert, ... all of them ``[0]``) are the default group instead of ~18 new gloo groups. Every gloo
+  group owns a TCP loop thread that wakes every 10 ms, so 18 idle groups made ~1,800 voluntary
+  context switches a second for the whole run; a collective over one process is the same on any group.
 """
 
 from __future__ import annotations
@@ -194,6 +198,27 @@ def _patch_megatron() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(wrapped_norm_new)
+
+
+@contextlib.contextmanager
+def one_process_groups():
+    """P10: while active, megatron's ``create_group`` returns the default process group when the world
+    is one process (its groups can only be ``[0]``); with more processes it is unchanged."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    original = ps.create_group
+
+    def create_group(ranks=None, *args, **kwargs):
+        if dist.get_world_size() == 1 and list(ranks or [0]) == [0]:
+            return dist.group.WORLD
+        return original(ranks, *args, **kwargs)
+
+    ps.create_group = create_group
+    try:
+        yield
+    finally:
+        ps.create_group = original
 
 
 def apply_cpu_shims() -> None:

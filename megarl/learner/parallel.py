@@ -168,14 +168,15 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
         for name, value in _GROUPS_BY_LAYOUT[key].items():
             setattr(ps, name, value)
     else:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.etp,
-            create_gloo_process_groups=use_cuda(),  # on CPU the default group is gloo already
-        )
+        with _group_creation():
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=layout.tp,
+                pipeline_model_parallel_size=layout.pp,
+                context_parallel_size=layout.cp,
+                expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.etp,
+                create_gloo_process_groups=use_cuda(),  # on CPU the default group is gloo already
+            )
         _GROUPS_BY_LAYOUT[key] = _megatron_state()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     pgc = ProcessGroupCollection.use_mpu_process_groups()
@@ -196,6 +197,18 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
         pg_collection=pgc,
         device=device,
     )
+
+
+def _group_creation():
+    """How megatron's groups are made: on CPU through the one-process shim (cpu_shims P10: a world of
+    one process uses the default group for all of them), on CUDA as megatron makes them."""
+    if use_cuda():
+        import contextlib
+
+        return contextlib.nullcontext()
+    from megarl.learner.cpu_shims import one_process_groups
+
+    return one_process_groups()
 
 
 def destroy_parallel() -> None:

@@ -99,3 +99,37 @@ def test_shims_refuse_when_cuda_present():
         timeout=300,
     )
     assert "refused:" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+# A world of one process (no torchrun environment): megatron's groups, one gloo TCP loop thread.
+_ONE_PROCESS = r"""
+import json, os, torch, torch.distributed as dist
+from megarl.learner.parallel import ParallelLayout, initialize_parallel
+g = initialize_parallel(ParallelLayout())
+groups = {k: getattr(g, k) for k in ("tp", "pp", "ep", "cp", "dp", "dp_cp", "expt_dp", "expt_tp", "mp")}
+loops = 0
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        loops += f.read().strip() == "gloo_tcp_loop"
+x = torch.ones(3)
+dist.all_reduce(x, group=g.tp)
+print(json.dumps({"world": dist.get_world_size(), "loops": loops, "sum": x.tolist(),
+                  "not_world": sorted(k for k, v in groups.items() if v is not dist.group.WORLD)}))
+"""
+
+
+def test_one_process_world_makes_no_extra_gloo_groups():
+    """P10: every gloo group owns a TCP loop thread that wakes every 10 ms; in a world of one process
+    megatron's ~18 groups are the default group, so the process has one such thread."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_PROCESS],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(env, PYTHONPATH=ROOT, MEGARL_FORCE_CPU="1"),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res == {"world": 1, "loops": 1, "sum": [1.0, 1.0, 1.0], "not_world": []}

@@ -1,0 +1,297 @@
+"""End-to-end RL step speed on CPU: ``megarl train`` against a plain PyTorch/transformers GRPO loop.
+
+    .venv/bin/python benchmarks/step_speed.py                 # 20 steps each, one torch thread
+    .venv/bin/python benchmarks/step_speed.py --steps 40 --megarl-arg schedule.old_logprobs=rollout
+
+The task: a ~1M-parameter Qwen3 (4 layers, hidden 128, 4 heads / 2 KV heads, character tokenizer,
+vocabulary 24) with random weights on the quickstart's reverse-a-3-digit-string prompts; GRPO with
+16 prompts x 8 samples, at most 4 new tokens, temperature 1, lr 1e-4, no KL, token-mean loss, clip
+0.2, one optimizer step per batch, no supervised warm-up. megarl runs ``examples/quickstart.yaml``
+with those keys overridden (embedded engine, learner on gloo, world size 1).
+
+The baseline, measured in the same invocation, is the smallest loop that does the same work: one
+transformers model, ``generate`` of the 16 x 8 samples, one forward for the new log-probs (the old
+ones are the same numbers detached: the update is on-policy), the clipped loss, backward, AdamW.
+It is what a single-process trainer such as TRL's GRPOTrainer does, without a framework around it.
+
+Each side is its own process (``os.wait4`` gives its CPU time, peak RSS and context switches,
+children included). Printed: median s/step over the steps after the first, CPU seconds and
+voluntary context switches of the whole process and per step, peak RSS, megarl's logged phase
+times (``time/rollout``, ``time/logprob``, ``time/train``, ``time/sync``), the threads of the megarl
+process that made the most voluntary context switches, and megarl / baseline ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("time/rollout", "time/reward", "time/logprob", "time/train", "time/sync", "time/step")
+HF_CONFIG = {
+    "model_type": "qwen3",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+PROMPTS, N, MAX_NEW, LR, CLIP = 16, 8, 4, 1e-4, 0.2
+
+
+def megarl_overrides(steps: int, run_dir: str) -> list[str]:
+    """``megarl train`` overrides that turn the quickstart into this benchmark's task."""
+    return [
+        "model.hf_config.num_hidden_layers=4",
+        f"rollout.max_new_tokens={MAX_NEW}",
+        f"rollout.n={N}",
+        "warmup.sft_steps=0",
+        "objective.kl_coef=0.0",
+        "objective.aggregation=token-mean",
+        f"objective.clip_low={CLIP}",
+        f"objective.clip_high={CLIP}",
+        f"optimizer.lr={LR}",
+        "optimizer.lr_warmup_steps=0",
+        f"schedule.steps={steps}",
+        f"schedule.prompts_per_step={PROMPTS}",
+        "schedule.eval_every=0",
+        "schedule.eval_samples=16",
+        "checkpoint.every=100000",
+        "checkpoint.resume=never",
+        "checkpoint.on_existing=overwrite",
+        f"logging.run_dir={run_dir}",
+        "logging.plot=false",
+        "logging.progress=lines",
+    ]
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and its live descendant processes."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _thread_switches(pid: int, seen: dict[tuple[int, int], tuple[str, int]]) -> None:
+    """Record in ``seen`` the voluntary context switches of every thread of ``pid`` and of its
+    descendants, keyed by (process, thread), with the thread's name (child processes: 'child:')."""
+    for p in _descendants(pid):
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                status = Path(f"/proc/{p}/task/{tid}/status").read_text()
+            except OSError:
+                continue
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            name = ("" if p == pid else "child:") + fields.get("Name", "?").strip()
+            seen[(p, int(tid))] = (name, int(fields.get("voluntary_ctxt_switches", "0")))
+
+
+def _by_name(seen: dict[tuple[int, int], tuple[str, int]]) -> dict[str, list[int]]:
+    """Thread name -> [threads seen, their voluntary context switches summed]."""
+    out: dict[str, list[int]] = {}
+    for name, n in seen.values():
+        slot = out.setdefault(name, [0, 0])
+        slot[0] += 1
+        slot[1] += n
+    return out
+
+
+def run_measured(cmd: list[str], env: dict, log_path: Path) -> dict:
+    """Run ``cmd``; its wall time, CPU seconds, peak RSS, context switches (``os.wait4``) and the
+    voluntary context switches per thread name, sampled every 0.1 s while it ran (a thread's last
+    sample: threads that lived less than 0.1 s are missed)."""
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        seen: dict[tuple[int, int], tuple[str, int]] = {}
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.1):
+                _thread_switches(proc.pid, seen)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        _, status, ru = os.wait4(proc.pid, 0)
+        done.set()
+        watcher.join()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"step_speed: {' '.join(cmd[:4])} ... exited {proc.returncode}; see {log_path}")
+    return {
+        "wall_s": time.time() - t0,
+        "cpu_s": ru.ru_utime + ru.ru_stime,
+        "peak_rss_mib": ru.ru_maxrss / 1024,
+        "vol_ctx": ru.ru_nvcsw,
+        "invol_ctx": ru.ru_nivcsw,
+        "threads": _by_name(seen),
+    }
+
+
+def run_megarl(steps: int, threads: int, work: Path, extra: list[str]) -> dict:
+    """One ``megarl train`` run of the task; process figures plus the medians of its phase times."""
+    run_dir = work / "megarl_run"
+    env = dict(
+        os.environ, MEGARL_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT)
+    )
+    cmd = [sys.executable, "-m", "megarl.cli", "train", str(ROOT / "examples/quickstart.yaml")]
+    res = run_measured(cmd + megarl_overrides(steps, str(run_dir)) + extra, env, work / "megarl.log")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r.get("step", 0) >= 2]  # step 1 pays one-time costs
+    res["phases"] = {k: statistics.median(r[k] for r in recs if k in r) for k in PHASES}
+    res["s_per_step"] = res["phases"]["time/step"]
+    res["steps"] = steps
+    return res
+
+
+def run_baseline(steps: int, threads: int, work: Path) -> dict:
+    """The plain-PyTorch GRPO loop (``--baseline-worker``) in its own process."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    out = work / "baseline.json"
+    cmd = [sys.executable, __file__, "--baseline-worker", str(out), "--steps", str(steps)]
+    res = run_measured(cmd + ["--threads", str(threads)], env, work / "baseline.log")
+    res.update(json.loads(out.read_text()))
+    return res
+
+
+def baseline_worker(out_path: str, steps: int, threads: int) -> None:
+    """GRPO on the task with transformers + torch only; writes the per-step timings as JSON."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.data.tokenizer import CharTokenizer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(1234)
+    tok = CharTokenizer("0123456789+=RC ")
+    cfg = AutoConfig.for_model(
+        **{**HF_CONFIG, "vocab_size": tok.vocab_size, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id},
+        bos_token_id=tok.bos_id,
+    )
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    rows = [json.loads(x) for x in (ROOT / "examples/data/reverse3-train.jsonl").read_text().splitlines()]
+    times: list[dict] = []
+    for step in range(steps):
+        batch = rows[(step * PROMPTS) % len(rows) :][:PROMPTS]
+        t0 = time.time()
+        prompts = torch.tensor([tok.encode(r["prompt"]) for r in batch])  # equal lengths: no padding
+        P = prompts.shape[1]
+        model.eval()
+        with torch.no_grad():
+            seqs = model.generate(
+                prompts,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=MAX_NEW,
+                num_return_sequences=N,
+                pad_token_id=tok.pad_id,
+            )
+        t_gen = time.time() - t0
+        resp = seqs[:, P:]
+        done = torch.cumsum((resp == tok.eos_id).long(), 1)
+        mask = ((done - (resp == tok.eos_id).long()) == 0).float()  # tokens up to and including eos
+        answers = [r["answer"] for r in batch for _ in range(N)]
+        rewards = torch.tensor([float(tok.decode(resp[i].tolist()) == a) for i, a in enumerate(answers)])
+        g = rewards.view(PROMPTS, N)
+        adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+        t1 = time.time()
+        model.train()
+        logits = model(seqs).logits[:, P - 1 : -1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())  # old = new: one on-policy update per batch
+        pg = -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
+        loss = (pg * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        times.append({"time/rollout": t_gen, "time/train": time.time() - t1, "time/step": time.time() - t0})
+    later = times[1:] or times
+    phases = {k: statistics.median(t[k] for t in later) for k in times[0]}
+    Path(out_path).write_text(
+        json.dumps({"phases": phases, "s_per_step": phases["time/step"], "steps": steps})
+    )
+
+
+def report(m: dict, b: dict | None) -> None:
+    """Print megarl's figures, the baseline's and megarl / baseline."""
+
+    def row(name: str, mv: float, bv: float | None, fmt: str = "{:.3f}") -> None:
+        bs = fmt.format(bv) if bv is not None else "-"
+        ratio = f"{mv / bv:.2f}x" if bv else "-"
+        print(f"{name:<34} {fmt.format(mv):>12} {bs:>12} {ratio:>8}")
+
+    print(f"{'':<34} {'megarl':>12} {'baseline':>12} {'ratio':>8}")
+    row("median s/step (steps >= 2)", m["s_per_step"], b and b["s_per_step"])
+    for k in PHASES[:-1]:
+        row(f"  {k}", m["phases"][k], b and b["phases"].get(k))
+    row("CPU s, whole process", m["cpu_s"], b and b["cpu_s"], "{:.1f}")
+    row("wall s, whole process", m["wall_s"], b and b["wall_s"], "{:.1f}")
+    row("peak RSS MiB", m["peak_rss_mib"], b and b["peak_rss_mib"], "{:.0f}")
+    row("voluntary ctx switches", m["vol_ctx"], b and b["vol_ctx"], "{:.0f}")
+    row("  per step", m["vol_ctx"] / m["steps"], b and b["vol_ctx"] / b["steps"], "{:.0f}")
+    row("involuntary ctx switches", m["invol_ctx"], b and b["invol_ctx"], "{:.0f}")
+    top = sorted(m["threads"].items(), key=lambda kv: -kv[1][1])[:8]
+    print(
+        "megarl threads by voluntary ctx switches (last seen; name x threads): "
+        + ", ".join(f"{n} x{k} {c}" for n, (k, c) in top)
+    )
+
+
+def main() -> None:
+    """Parse the arguments, run both sides (or the baseline worker), print the comparison."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each side")
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--megarl-arg", action="append", default=[], help="extra megarl override (repeatable)")
+    ap.add_argument("--workdir", help="where the runs and logs go (default: a temporary directory)")
+    ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--baseline-worker", metavar="OUT", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.baseline_worker:
+        sys.path.insert(0, str(ROOT))
+        baseline_worker(args.baseline_worker, args.steps, args.threads)
+        return
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="megarl-step-speed-"))
+    work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    m = run_megarl(args.steps, args.threads, work, args.megarl_arg)
+    b = None if args.skip_baseline else run_baseline(args.steps, args.threads, work)
+    print(
+        f"{args.steps} steps, {args.threads} torch thread(s), load average {load:.1f} at start; "
+        f"logs in {work}"
+    )
+    report(m, b)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"megarl": m, "baseline": b}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
