@@ -52,6 +52,12 @@ UNSUPPORTED: dict[str, str] = {}
 
 FORMAT_REWARD = {"name": "format", "kind": "regex", "pattern": r"^\d+$", "weight": 0.5}
 
+# per-example settings laid over the example for the short smoke run
+SMOKE_OVERRIDES: dict[str, dict] = {
+    # one critic warm-up step, then a policy update: both phases within the smoke's 2 steps
+    "bpco": {"inputs": {"values": {"warmup_steps": 1}}},
+}
+
 
 def example_names() -> list[str]:
     """Every example file's stem (methods and plugins), sorted."""
@@ -112,7 +118,7 @@ def example_config(base: dict, name: str) -> dict:
         raise ValueError(
             f"{path}: an example must name base: ../quickstart.yaml (its smoke base replaces it)"
         )
-    d = merge_layers(base, ex)
+    d = merge_layers(merge_layers(base, ex), SMOKE_OVERRIDES.get(name, {}))
     d["logging"] = base["logging"]  # the smoke's run directory, not the example's runs/NAME
     d["reward"].setdefault("judge", {}).setdefault("max_new_tokens", 4)
     return d
