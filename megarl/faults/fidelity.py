@@ -2,8 +2,12 @@
 
 Inputs are two run directories of ``megarl train`` (their ``metrics.jsonl``). For every curve
 (loss, reward, grad norm, entropy, logprob gaps, router imbalance) over the steps both runs logged
-a finite value: Pearson correlation, mean and max absolute difference, and the relative divergence
-``mean |proxy - original| / mean |original|``. Fault events are matched by (step, type).
+a finite value: Pearson correlation, mean and max absolute difference, the relative divergence
+``mean |proxy - original| / mean |original|``, and the numbers a single spike cannot dominate
+(megarl.faults.agreement: Spearman, r without the fault steps and their share of r, ratio of mean
+magnitudes, the worst step-wise ratio). Fault events are matched by (step, type); steps where a
+curve diverges with no event in either run are listed next to the verdict. Step times leave out
+the steps that wrote a dump.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import math
 import os
 from pathlib import Path
 
+from megarl.faults.agreement import agreement, divergences, pearson
 from megarl.rundir import read_metrics
 
 # (metric key, label). ``router/imbalance`` is derived: the mean over MoE layers of max-load x E.
@@ -55,21 +60,15 @@ def curve(recs: list[dict], key: str) -> dict[int, float]:
     return out
 
 
-def pearson(a: list[float], b: list[float]) -> float | None:
-    """Pearson correlation; None with fewer than 3 points or a constant series."""
-    n = len(a)
-    if n < 3:
-        return None
-    ma, mb = sum(a) / n, sum(b) / n
-    va = sum((x - ma) ** 2 for x in a)
-    vb = sum((y - mb) ** 2 for y in b)
-    if va <= 0 or vb <= 0:
-        return None
-    return sum((x - ma) * (y - mb) for x, y in zip(a, b)) / math.sqrt(va * vb)
+def fault_steps(*runs: list[dict]) -> set[int]:
+    """Steps where any of ``runs`` had an injection active or an event."""
+    return {int(r["step"]) for recs in runs for r in recs if r.get("faults/injected") or r.get("events")}
 
 
 def compare_curves(orig: list[dict], proxy: list[dict]) -> list[dict]:
-    """One row per curve present in both runs: steps, r, mean/max |diff|, relative divergence."""
+    """One row per curve present in both runs: steps, r, mean/max |diff|, relative divergence,
+    and the agreement numbers of megarl.faults.agreement (fault steps: injections or events)."""
+    faulty = fault_steps(orig, proxy)
     rows = []
     for key, label in CURVES:
         a, b = curve(orig, key), curve(proxy, key)
@@ -90,6 +89,7 @@ def compare_curves(orig: list[dict], proxy: list[dict]) -> list[dict]:
                 "mean_abs_diff": sum(diffs) / len(diffs),
                 "max_abs_diff": max(diffs),
                 "relative_divergence": (sum(diffs) / len(diffs)) / scale if scale > 0 else None,
+                **agreement(steps, xa, xb, faulty),
             }
         )
     return rows
@@ -101,17 +101,15 @@ def events_of(recs: list[dict]) -> list[tuple[int, str]]:
 
 
 def run_cost(recs: list[dict]) -> dict:
-    """Mean step / train time over the training steps of a run."""
-    st = [
-        r["time/step"] for r in recs if r.get("step", 0) >= 1 and isinstance(r.get("time/step"), (int, float))
-    ]
-    tr = [
-        r["time/train"]
-        for r in recs
-        if r.get("step", 0) >= 1 and isinstance(r.get("time/train"), (int, float))
-    ]
+    """Mean step / train time over the training steps of a run, leaving out the steps that wrote
+    a dump (a dump's time is counted in its step)."""
+    dumped = [int(r["step"]) for r in recs if r.get("step", 0) >= 1 and r.get("faults/dump")]
+    steps = [r for r in recs if r.get("step", 0) >= 1 and not r.get("faults/dump")]
+    st = [r["time/step"] for r in steps if isinstance(r.get("time/step"), (int, float))]
+    tr = [r["time/train"] for r in steps if isinstance(r.get("time/train"), (int, float))]
     return {
         "steps": len(st),
+        "dump_steps_excluded": dumped,
         "step_time_mean_s": sum(st) / len(st) if st else None,
         "train_time_mean_s": sum(tr) / len(tr) if tr else None,
     }
@@ -178,6 +176,10 @@ def write_report(
         raise ValueError(f"no training steps in {orig_dir}/metrics.jsonl or {proxy_dir}/metrics.jsonl")
     rows = compare_curves(ro, rp)
     eo, ep = events_of(ro), events_of(rp)
+    event_steps = {s for s, _ in eo + ep}
+    unseen = [d for r in rows for d in divergences(r, event_steps)]
+    same = _types_by_step(eo) == _types_by_step(ep)
+    coverage = routing_coverage((extra or {}).get("proxy", {}).get("model"))
     rep = {
         "curves": [{k: v for k, v in r.items() if k not in ("original", "proxy")} for r in rows],
         "series": {
@@ -187,8 +189,11 @@ def write_report(
             "original": eo,
             "proxy": ep,
             "same": eo == ep,
-            "same_types_per_step": _types_by_step(eo) == _types_by_step(ep),
+            "same_types_per_step": same,
         },
+        "divergences": unseen,
+        "verdict": verdict(same, unseen),
+        "routing_coverage": coverage,
         "cost": {"original": run_cost(ro), "proxy": run_cost(rp)},
         "runs": extra or {},
     }
@@ -205,19 +210,27 @@ def write_report(
     lines += [
         "## Training curves",
         "",
-        "| curve | steps | Pearson r | mean abs diff | max abs diff | relative divergence |",
-        "|---|---|---|---|---|---|",
+        "| curve | steps | Pearson r | Spearman | r without fault steps | fault steps' share of r "
+        "| mean ratio | worst step ratio (step) | mean abs diff | max abs diff | relative divergence |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        w = r["worst_step_ratio"]
         lines.append(
-            f"| {r['label']} | {len(r['steps'])} | {_fmt(r['pearson_r'])} | {_fmt(r['mean_abs_diff'])} | "
-            f"{_fmt(r['max_abs_diff'])} | {_fmt(r['relative_divergence'])} |"
+            f"| {r['label']} | {len(r['steps'])} | {_fmt(r['pearson_r'])} | {_fmt(r['spearman_rho'])} | "
+            f"{_fmt(r['pearson_r_without_fault_steps'])} | {_fmt(r['fault_step_share'])} | "
+            f"{_fmt(r['mean_ratio'])} | {_fmt(w['ratio']) if w else 'n/a'} ({w['step'] if w else '-'}) | "
+            f"{_fmt(r['mean_abs_diff'])} | {_fmt(r['max_abs_diff'])} | {_fmt(r['relative_divergence'])} |"
         )
     lines += [
         "",
         (
             "relative divergence = mean |proxy - original| / mean |original|; r = n/a for fewer than 3 "
-            "finite points or a constant curve."
+            "finite points or a constant curve. Fault steps: steps with an injection or an event in "
+            f"either run ({', '.join(map(str, sorted(fault_steps(ro, rp)))) or 'none'}); their share of r "
+            "is their part of the co-variation sum behind Pearson r (1 = r comes from them alone). "
+            "mean ratio = mean |proxy| / mean |original|; worst step ratio = the step's |proxy| / "
+            "|original| farthest from 1 (magnitudes below 1e-4 count as 1e-4)."
         ),
         "",
         f"![fidelity]({png.name})",
@@ -234,18 +247,62 @@ def write_report(
         lines.append("| - | none | none |")
     lines += [
         "",
-        f"Same event types at the same steps: **{'yes' if rep['events']['same_types_per_step'] else 'no'}**",
+        f"Same event types at the same steps: **{'yes' if same else 'no'}**",
+        "",
+        f"Verdict: **{rep['verdict']}**",
+        "",
+    ]
+    if coverage:
+        lines += [
+            "Proxy routing (prune report, original routing on the calibration tokens): routing mass "
+            f"kept {_fmt(coverage.get('routing_mass_covered'))}, tokens with all experts kept "
+            f"{_fmt(coverage.get('tokens_fully_covered'))}",
+            "",
+        ]
+    lines += [
+        "## Divergences no detector flagged",
+        "",
+        "Steps where |proxy - original| > max(|original|, median |original|, 1e-4) and neither run "
+        "had an event (the detectors judge no spike during their warm-up steps).",
+        "",
+        "| step | curve | original | proxy |",
+        "|---|---|---|---|",
+    ]
+    for d in unseen:
+        lines.append(f"| {d['step']} | {d['label']} | {_fmt(d['original'])} | {_fmt(d['proxy'])} |")
+    if not unseen:
+        lines.append("| - | none | | |")
+    lines += [
         "",
         "## Cost per step",
         "",
         "| | original | proxy |",
         "|---|---|---|",
     ]
-    for k in ("step_time_mean_s", "train_time_mean_s"):
+    for k in ("step_time_mean_s", "train_time_mean_s", "dump_steps_excluded"):
         lines.append(f"| {k} | {_fmt(rep['cost']['original'][k])} | {_fmt(rep['cost']['proxy'][k])} |")
     (out / "fidelity.md").write_text("\n".join(lines) + "\n")
     (out / "fidelity.json").write_text(json.dumps(rep, indent=1))
     return rep
+
+
+def verdict(same_events: bool, unseen: list[dict]) -> str:
+    """One line: do the events agree, and did a curve diverge where no detector fired."""
+    if not same_events:
+        return "events differ"
+    if not unseen:
+        return "events agree; no curve diverges at a step without an event"
+    where = ", ".join(f"{d['label']} at step {d['step']}" for d in unseen[:5])
+    more = f" and {len(unseen) - 5} more" if len(unseen) > 5 else ""
+    return f"events agree, but {len(unseen)} step(s) diverge where no detector fired: {where}{more}"
+
+
+def routing_coverage(proxy_model: str | None) -> dict | None:
+    """``coverage_mean`` of the proxy's prune report (``proxy_report.json``), if it has one."""
+    p = Path(proxy_model) / "proxy_report.json" if proxy_model else None
+    if p is None or not p.is_file():
+        return None
+    return json.loads(p.read_text()).get("coverage_mean")
 
 
 def _types_by_step(ev: list[tuple[int, str]]) -> dict[int, list[str]]:

@@ -219,11 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for c in rep["curves"]:
         r = c["pearson_r"]
+        rho, rx = c["spearman_rho"], c["pearson_r_without_fault_steps"]
         print(
-            f"  {c['label']:<46} r={'n/a' if r is None else f'{r:+.3f}'}  mean|diff|={c['mean_abs_diff']:.4g}"
+            f"  {c['label']:<46} r={'n/a' if r is None else f'{r:+.3f}'}  "
+            f"spearman={'n/a' if rho is None else f'{rho:+.3f}'}  "
+            f"r w/o fault steps={'n/a' if rx is None else f'{rx:+.3f}'}  "
+            f"mean ratio={c['mean_ratio'] if c['mean_ratio'] is None else round(c['mean_ratio'], 3)}  "
+            f"mean|diff|={c['mean_abs_diff']:.4g}"
         )
     ev = rep["events"]
     print(f"  fault events: original {ev['original'] or 'none'}; proxy {ev['proxy'] or 'none'}")
+    print(f"  verdict: {rep['verdict']}")
     print(f"report: {Path(a.out) / 'fidelity.md'}")
     return 0
 
