@@ -22,6 +22,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.rewards.shaping",
     "megarl.plugin.core_inputs",
     "megarl.rollout.workflow",
+    "megarl.rollout.tool_env",
 )
 
 # method name -> "module:attr" of its MethodSpec

@@ -10,7 +10,8 @@ one per prompt of a round, in the synchronous and the asynchronous loop alike. B
   (prompt, answers, observations); only answer tokens are in the loss and ``turn_spans`` mark the
   ``assistant`` steps, so step-level estimators see real steps.
 
-New workflows register in ``WORKFLOWS`` (the config's ``environment.name`` picks one).
+New workflows register in ``WORKFLOWS`` (the config's ``environment.name`` picks one); ``tools``
+(tool calls, megarl/rollout/tool_env.py) is one.
 """
 
 from __future__ import annotations
@@ -134,8 +135,9 @@ class RetryTask:
         return StepResult(obs, 1.0 if correct else 0.0, done, {"reward": r})
 
 
-def episode_trajectory(ep: Episode, env: RetryTask) -> Trajectory:
-    """An ``Episode`` (from ``run_episode``) as a trajectory (everything after the prompt)."""
+def episode_trajectory(ep: Episode, env: Any) -> Trajectory:
+    """An ``Episode`` (from ``run_episode``) as a trajectory (everything after the prompt); ``env``'s
+    ``last_text`` (its last answer) is what the rewards score."""
     P = ep.prompt_len
     versions = [v for v in (version_of(w) for w in ep.weight_versions) if v is not None]
     return Trajectory(

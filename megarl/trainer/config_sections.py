@@ -155,9 +155,12 @@ class EnvironmentConfig:
     """The rollout workflow (megarl/rollout/workflow.py ``WORKFLOWS``). ``none``: one answer per
     sample. ``retry``: a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``)
     as an observation and another turn, up to ``max_turns``; the episode's outcome is its last
-    answer's reward."""
+    answer's reward. ``tools``: the model may call tools (``<tool_call>`` JSON; a calculator) and
+    gets their results as observations until it answers, up to ``max_turns`` turns."""
 
-    name: str = "none"  # a WORKFLOWS name: none (single-turn), retry (a wrong answer gets another turn)
+    name: str = (
+        "none"  # a WORKFLOWS name: none (single turn), retry (another turn after a wrong answer), tools
+    )
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
 
