@@ -89,7 +89,7 @@ def run_contained(expression: str, timeout_s: float = 2.0) -> str:
                 text=True,
                 timeout=timeout_s,
                 cwd=tmp,
-                env={"PATH": os.defpath, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+                env={"PATH": os.defpath},  # -I: no PYTHONPATH, no user site; megarl comes from the install
                 check=False,
             )
         except subprocess.TimeoutExpired:
