@@ -132,6 +132,8 @@ def check_signal(name: str, r: dict) -> None:
         assert len(_any(r, "bounded/clipped_frac")) == STEPS and st["method"]["step_hooks"] == [
             ["clipped_total"]
         ]
+    elif name == "first-wrong-digit":  # the user's own workflow ran: episodes longer than one turn (6)
+        assert max(_any(r, "rollout/response_len_max")) > 6, _any(r, "rollout/response_len_max")
     elif name in ("ppo-critic", "ppo-or"):  # the critic filled the values GAE read and trained in the step
         assert len(_any(r, "critic/value_loss")) == STEPS and len(_any(r, "critic/values_old")) == STEPS
         assert st["method"]["step_hooks"] == [[]], st  # its state is sharded (hook_0/ in checkpoints)

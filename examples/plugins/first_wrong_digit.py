@@ -1,0 +1,61 @@
+"""A user's own multi-turn environment and workflow, as a method plugin (docs/agents.md).
+
+On the quickstart's reverse task: a wrong answer gets the observation " C<i>=" (the first wrong
+digit is at position i) and another turn, up to ``max_turns``; the episode scores its last answer.
+
+    PYTHONPATH=examples/plugins megarl train examples/plugins/first-wrong-digit.yaml
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from megarl.plugin.spec import MethodSpec
+from megarl.rollout.environments import StepResult, run_episode
+from megarl.rollout.workflow import WORKFLOWS, episode_trajectory
+
+
+class FirstWrongDigit:
+    """The environment: token ids in, observation ids, reward and done out."""
+
+    def __init__(self, tok, prompt: str, answer: str, max_turns: int):
+        self.tok, self.prompt, self.answer, self.max_turns = tok, prompt, answer, max_turns
+
+    def reset(self, seed=None) -> list[int]:
+        self.turn, self.last_text = 0, ""
+        return self.tok.encode(self.prompt)
+
+    def step(self, action_ids: list[int]) -> StepResult:
+        self.turn += 1
+        self.last_text = text = self.tok.decode(action_ids).strip()
+        wrong = [i for i, (a, b) in enumerate(zip(text, self.answer)) if a != b]
+        if text == self.answer or self.turn >= self.max_turns:
+            return StepResult([], float(text == self.answer), True)
+        first = wrong[0] if wrong else min(len(text), len(self.answer))
+        return StepResult(self.tok.encode(f" C{first}=", bos=False), 0.0, False)
+
+
+class FirstWrongDigitWorkflow:
+    """How one prompt becomes ``n`` episodes: the same seam the built-in workflows use."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    async def run(self, engine, prompt, answer, prompt_ids, n, sampling):
+        async def one(j: int):
+            env = FirstWrongDigit(self.ctx.tokenizer, prompt, answer, self.ctx.env.max_turns)
+            sp = dataclasses.replace(sampling, seed=(sampling.seed * 31 + j) % 2**31)
+            ep = await run_episode(engine, env, sp, self.ctx.env.max_turns, max_len=self.ctx.max_len)
+            return episode_trajectory(ep, env)
+
+        return list(await asyncio.gather(*[one(j) for j in range(n)]))
+
+
+SPEC = MethodSpec(
+    name="first_wrong_digit",
+    summary="multi-turn reverse task: a wrong answer is told where its first wrong digit is",
+    provenance="reconstructed",
+    config={"environment": {"name": "first_wrong_digit", "max_turns": 3}},
+    register=lambda: WORKFLOWS.add("first_wrong_digit", FirstWrongDigitWorkflow),
+)
