@@ -1,18 +1,21 @@
 """``megarl proxy compare``: one recipe on the original and on the proxy, and a fidelity report.
 
     megarl proxy compare --config RECIPE.yaml --original HF_DIR --proxy HF_DIR --steps N --out DIR \\
-        [--set section.key=value ...]
+        [--set section.key=value ...] [--nproc-per-node N] [--proxy-nproc-per-node M] \\
+        [--proxy-set section.key=value ...]
 
 Each run is ``megarl train RECIPE model.hf_dir=<dir> logging.run_dir=DIR/<name> schedule.steps=N
 checkpoint.resume=never`` plus the ``--set`` overrides (both runs get the same ones, including any
-``faults.inject``), in its own process, one after the other (``--parallel``: both at once); its
-output goes to ``DIR/<name>.log``,
+``faults.inject``), in its own process, one after the other (``--parallel``: both at once), or
+under ``torchrun`` with ``--nproc-per-node N`` processes so it runs at the fault's layout
+(``--set parallel.ep=2`` etc.); ``--proxy-nproc-per-node`` and ``--proxy-set`` give the proxy its own,
+smaller layout. Its output goes to ``DIR/<name>.log``,
 its peak memory (max RSS of the process) and wall time into the report. Then
 megarl.faults.fidelity writes ``DIR/fidelity.md``, ``fidelity.png`` and ``fidelity.json``.
 
 Checked before any run: the recipe loads with the overrides, both directories are HF checkpoints,
 and the proxy has the original's backbone (vocabulary, layers, hidden size, heads; only the routed
-experts may differ).
+experts may differ); the recipe is checked with each model and its layout (``megarl train --check``).
 """
 
 from __future__ import annotations
@@ -48,11 +51,9 @@ def _count_params(hf_dir: str) -> int:
     return n
 
 
-def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: list[str]) -> dict:
-    """Validate everything ``run_compare`` needs; returns both models' shapes."""
-    if steps < 1:
-        raise CompareError(f"--steps {steps}: must be >= 1")
-    # the recipe is checked by the command that will run it (`megarl train --check`)
+def _check_recipe(config: str, hf_dir: str, steps: int, overrides: list[str], what: str) -> None:
+    """``megarl train --check`` of the recipe on ``hf_dir`` with ``overrides``; CompareError naming
+    ``what`` (the options that gave the overrides) on a config error."""
     check = subprocess.run(
         [
             sys.executable,
@@ -60,7 +61,7 @@ def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: 
             "megarl.cli",
             "train",
             config,
-            f"model.hf_dir={original}",
+            f"model.hf_dir={hf_dir}",
             f"schedule.steps={steps}",
             *overrides,
             "--check",
@@ -72,7 +73,26 @@ def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: 
         msg = (
             check.stderr.strip().splitlines()[-1] if check.stderr.strip() else f"exit code {check.returncode}"
         )
-        raise CompareError(f"--config {config}: {msg.removeprefix('megarl train: config error: ')}")
+        raise CompareError(f"{what}: {msg.removeprefix('megarl train: config error: ')}")
+
+
+def check_inputs(
+    config: str,
+    original: str,
+    proxy: str,
+    steps: int,
+    overrides: list[str],
+    proxy_overrides: list[str] | None = None,
+    nprocs: tuple[int, int] = (1, 1),
+) -> dict:
+    """Validate everything ``run_compare`` needs; returns both models' shapes."""
+    if steps < 1:
+        raise CompareError(f"--steps {steps}: must be >= 1")
+    for opt, n in zip(("--nproc-per-node", "--proxy-nproc-per-node"), nprocs):
+        if n < 1:
+            raise CompareError(f"{opt} {n}: must be >= 1")
+    # the recipe is checked by the command that will run it (`megarl train --check`)
+    _check_recipe(config, original, steps, overrides, f"--config {config}")
     shapes = {}
     for name, d in (("original", original), ("proxy", proxy)):
         if not (Path(d) / "config.json").is_file():
@@ -86,12 +106,47 @@ def check_inputs(config: str, original: str, proxy: str, steps: int, overrides: 
         )
     except DumpError as e:
         raise CompareError(f"--proxy is not a proxy of --original: {e}") from None
+    if proxy_overrides:
+        _check_recipe(
+            config,
+            proxy,
+            steps,
+            overrides + proxy_overrides,
+            f"--config {config} with --proxy-set on --proxy",
+        )
+    else:
+        _check_recipe(config, proxy, steps, overrides, f"--config {config} on --proxy {proxy}")
     return shapes
 
 
-def _train_cmd(config: str, hf_dir: str, run_dir: Path, steps: int, overrides: list[str]) -> list[str]:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_cmd(
+    config: str, hf_dir: str, run_dir: Path, steps: int, overrides: list[str], nproc: int = 1
+) -> list[str]:
+    launch = (
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+        ]
+        if nproc > 1
+        else []
+    )
     return [
         sys.executable,
+        *launch,
         "-m",
         "megarl.cli",
         "train",
@@ -108,7 +163,8 @@ def run_trainings(
     jobs: dict[str, list[str]], logs: dict[str, Path], parallel: bool = False
 ) -> dict[str, dict]:
     """Run ``megarl train`` commands (name -> argv), one after the other or all at once; returns
-    per name the exit code, wall time and peak RSS of the process (MiB)."""
+    per name the exit code, wall time and peak RSS (MiB) of the process or, under torchrun, of
+    its largest worker."""
     out: dict[str, dict] = {}
     pending = list(jobs.items())
     while pending:
@@ -143,14 +199,23 @@ def run_compare(
     out: str,
     overrides: list[str] | None = None,
     parallel: bool = False,
+    nproc_per_node: int = 1,
+    proxy_nproc_per_node: int | None = None,
+    proxy_overrides: list[str] | None = None,
 ) -> dict:
     """Both runs, then the fidelity report; returns the report (megarl.faults.fidelity).
     ``parallel``: train both at once (faster with spare cores; time and memory figures then
-    include the contention)."""
+    include the contention). ``nproc_per_node`` > 1 runs each under torchrun (the layout comes
+    from ``parallel.*`` overrides); ``proxy_nproc_per_node`` / ``proxy_overrides`` (applied after
+    ``overrides``) give the proxy run its own layout."""
     from megarl.faults.fidelity import write_report
 
     overrides = list(overrides or [])
-    shapes = check_inputs(config, original, proxy, steps, overrides)
+    proxy_overrides = list(proxy_overrides or [])
+    nprocs = {"original": nproc_per_node, "proxy": proxy_nproc_per_node or nproc_per_node}
+    shapes = check_inputs(
+        config, original, proxy, steps, overrides, proxy_overrides, (nprocs["original"], nprocs["proxy"])
+    )
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     models = {"original": original, "proxy": proxy}
@@ -161,7 +226,17 @@ def run_compare(
             flush=True,
         )
     runs = run_trainings(
-        {n: _train_cmd(config, d, out_dir / n, steps, overrides) for n, d in models.items()},
+        {
+            n: _train_cmd(
+                config,
+                d,
+                out_dir / n,
+                steps,
+                overrides + (proxy_overrides if n == "proxy" else []),
+                nprocs[n],
+            )
+            for n, d in models.items()
+        },
         {n: out_dir / f"{n}.log" for n in models},
         parallel,
     )
@@ -176,6 +251,7 @@ def run_compare(
             routed_experts=shapes[name]["num_experts"],
             top_k=shapes[name]["num_experts_per_tok"],
             params=_count_params(models[name]),
+            nproc_per_node=nprocs[name],
         )
     runs["original"]["params_ratio"] = 1.0
     runs["proxy"]["params_ratio"] = round(runs["proxy"]["params"] / max(runs["original"]["params"], 1), 4)
@@ -208,9 +284,41 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train both at once (needs spare cores; timings then include the contention)",
     )
+    ap.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="run each training under torchrun with this many processes "
+        "(the layout: --set parallel.ep=2 ...)",
+    )
+    ap.add_argument(
+        "--proxy-nproc-per-node",
+        type=int,
+        default=None,
+        help="processes of the proxy run (default: --nproc-per-node)",
+    )
+    ap.add_argument(
+        "--proxy-set",
+        dest="proxy_overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for the proxy run only, after --set (e.g. its own parallel.ep)",
+    )
     a = ap.parse_args(argv)
     try:
-        rep = run_compare(a.config, a.original, a.proxy, a.steps, a.out, a.overrides, a.parallel)
+        rep = run_compare(
+            a.config,
+            a.original,
+            a.proxy,
+            a.steps,
+            a.out,
+            a.overrides,
+            a.parallel,
+            a.nproc_per_node,
+            a.proxy_nproc_per_node,
+            a.proxy_overrides,
+        )
     except CompareError as e:
         print(f"megarl proxy compare: error: {e}", file=sys.stderr)
         return 2

@@ -40,5 +40,7 @@ def slice_experts(src: Path, dst: Path, keep: list[int]) -> Path:
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((Path(src) / "config.json").read_text())
     cfg["num_experts"] = len(keep)
+    if "num_local_experts" in cfg:  # transformers' Qwen3-MoE config writes both; the engine reads this one
+        cfg["num_local_experts"] = len(keep)
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return dst
