@@ -104,7 +104,7 @@ class _ServerProcess:
         self.cfg, self.keys = cfg, keys
         self.port = cfg.port or free_port(host)
         self.work_dir = Path(cfg.work_dir or Path(cfg.model_dir).parent / f"{self.kind}-{self.port}")
-        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = self.work_dir / "server.log"
         self.proc: subprocess.Popen | None = None
         cfg_json = json.loads((Path(cfg.model_dir) / "config.json").read_text())
@@ -118,6 +118,13 @@ class _ServerProcess:
         kw.setdefault("max_model_len", max_model_len)
         kw.setdefault("reference_weights_dir", self.cfg.model_dir)
         return kw
+
+    def _open_log(self):
+        """The server log, opened for appending with mode 0600: servers print their arguments, and
+        SGLang's include both API keys."""
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "ab")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -262,7 +269,7 @@ class VLLMServer(_ServerProcess):
                 "or set MEGARL_VLLM_PYTHON"
             )
         self._make_socket_dir()
-        with open(self.log_path, "ab") as log:
+        with self._open_log() as log:
             self.proc = self._spawn(self.command(), self.environment(), stdout=log, stderr=subprocess.STDOUT)
         atexit.register(self.stop)
         try:
@@ -342,8 +349,16 @@ def default_sglang_python() -> str:
 
 @dataclass
 class SGLangServerConfig:
-    """How to start one SGLang server (GPU machines; SGLang has no CPU wheel). ``host`` is
-    127.0.0.1 when colocated, else the node's job-network address."""
+    """How to start one SGLang server. ``host`` is 127.0.0.1 when colocated, else the node's
+    job-network address.
+
+    ``device="cpu"`` runs SGLang's CPU engine (the venv of tests/setup/40-sglang.sh): it sets
+    ``SGLANG_USE_CPU_ENGINE=1`` and adds ``--device cpu --attention-backend torch_native
+    --disable-overlap-schedule --tp 1``; ``max_total_tokens`` then bounds the KV cache (on CPU
+    ``mem_fraction_static`` would size it from the host's RAM). ``device=None`` leaves the choice to
+    SGLang (CUDA). ``weight_version`` is set on the fresh server (``/update_weight_version``) before
+    ``launch_sglang`` returns, so samples are labelled with it until the first weight update (SGLang
+    has no start-up option for it and labels them "default" otherwise)."""
 
     model_dir: str
     python: str = field(default_factory=default_sglang_python)
@@ -352,6 +367,9 @@ class SGLangServerConfig:
     dtype: str = "bfloat16"
     context_length: int = 1024
     mem_fraction_static: float = 0.3
+    device: str | None = None
+    max_total_tokens: int | None = None
+    weight_version: str | None = None
     startup_timeout_s: float = 600.0
     work_dir: str | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -405,34 +423,69 @@ class SGLangServer(_ServerProcess):
                 "--mem-fraction-static",
                 str(c.mem_fraction_static),
             ]
+            + self._optional_args()
             + list(c.extra_args)
         )
+
+    def _optional_args(self) -> list[str]:
+        c = self.cfg
+        args: list[str] = []
+        if c.device is not None:
+            args += ["--device", c.device]
+        if c.device == "cpu":
+            args += ["--attention-backend", "torch_native", "--disable-overlap-schedule", "--tp", "1"]
+        if c.max_total_tokens is not None:
+            args += ["--max-total-tokens", str(c.max_total_tokens)]
+        return args
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: offline hub, unbuffered output, the CPU engine switch on CPU."""
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        if self.cfg.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env.pop("VIRTUAL_ENV", None)
+        env.update(self.cfg.extra_env)
+        return env
 
     def start(self) -> SGLangServer:
         """Start the server and block until /health answers or raise ServerLaunchError."""
         if not Path(self.cfg.python).exists() and not self.cfg.command_prefix:
             raise ServerLaunchError(
-                f"SGLang python {self.cfg.python} does not exist: set MEGARL_SGLANG_PYTHON"
+                f"SGLang python {self.cfg.python} does not exist: run `bash tests/setup/40-sglang.sh` "
+                "(CPU) or set MEGARL_SGLANG_PYTHON"
             )
         cmd = self.command(self._write_key_config())
-        env = dict(os.environ)
-        env.update({"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-        env.update(self.cfg.extra_env)
-        with open(self.log_path, "ab") as log:
+        with self._open_log() as log:
             log.write(f"$ {shlex.join(cmd)}\n".encode())
-            self.proc = self._spawn(cmd, env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = self._spawn(cmd, self.environment(), stdout=log, stderr=subprocess.STDOUT)
         atexit.register(self.stop)
         try:
             _wait_healthy(self.proc, self.url, self.log_path, self.cfg.startup_timeout_s, "SGLang")
+            if self.cfg.weight_version is not None:
+                self._set_initial_weight_version(self.cfg.weight_version)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _set_initial_weight_version(self, version: str) -> None:
+        headers = {"Authorization": f"Bearer {self.keys.admin_key}"}
+        body = {"new_version": version, "abort_all_requests": False}
+        resp = httpx.post(self.url + "/update_weight_version", json=body, headers=headers, timeout=60.0)
+        if resp.status_code != 200 or not resp.json().get("success"):
+            raise ServerLaunchError(
+                f"SGLang at {self.url} refused the initial weight version {version!r}: "
+                f"HTTP {resp.status_code} {resp.text[:300]}"
+            )
+
     def client(self, **kw):
-        """An ``SGLangEngine`` for this server with the job's keys and the model's limits."""
+        """An ``SGLangEngine`` for this server with the job's keys and the model's limits (and the
+        configured initial weight version)."""
         from megarl.rollout.sglang_client import SGLangEngine
 
+        if self.cfg.weight_version is not None:
+            kw.setdefault("weight_version", self.cfg.weight_version)
         return SGLangEngine(self.url, **self._client_defaults(kw, self.cfg.context_length))
 
     def stop(self, timeout_s: float = 30.0) -> None:

@@ -9,6 +9,10 @@ Behaviour measured on SGLang 0.5.23 that shapes this client (see megarl/testing/
   HTTP 200 with partial output; only ``finish_reason.type == "abort"`` says so;
 - a failed ``/update_weights_from_disk`` answers 400 ``success: false`` and keeps the old weights;
 - ``/generate`` answers one object for n=1 and a list for n>1;
+- with ``sampling_params.n > 1`` the server gives each sample a random id of its own, so aborting the
+  request's id stops nothing (measured live: an n=2 request ran to its end). n>1 is therefore sent
+  as a batch of n copies of the prompt with one id per sample (``<rid>#<i>``), and ``abort``
+  aborts every sample's id;
 - the per-request seed is ignored unless the server runs with --enable-deterministic-inference.
 """
 
@@ -59,12 +63,18 @@ class SGLangEngine(HttpEngine):
         self._reference_names = (
             check_weights_dir(reference_weights_dir) if reference_weights_dir is not None else None
         )
+        self._sample_rids: dict[str, list[str]] = {}  # request id -> the ids the server knows
+
+    @staticmethod
+    def sample_rids(request_id: str, n: int) -> list[str]:
+        """The server-side ids of a request's samples: the request id for n=1, else
+        ``<request_id>#<i>`` for each sample."""
+        return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
     def generate_body(self, req: GenerateRequest) -> dict:
         """The JSON body of ``/generate`` for one request."""
         sp = req.sampling
         params: dict[str, Any] = {
-            "n": req.n,
             "temperature": sp.temperature,
             "top_p": sp.top_p,
             "max_new_tokens": sp.max_new_tokens,
@@ -77,13 +87,23 @@ class SGLangEngine(HttpEngine):
             params["stop"] = list(sp.stop_strings)
         if sp.ignore_eos:
             params["ignore_eos"] = True
-        if sp.seed is not None:
-            params["sampling_seed"] = sp.seed
-        body: dict[str, Any] = {
-            "input_ids": list(req.prompt_ids),
-            "sampling_params": params,
-            "rid": req.request_id,
-        }
+        body: dict[str, Any]
+        if req.n == 1:
+            if sp.seed is not None:
+                params["sampling_seed"] = sp.seed
+            body = {"input_ids": list(req.prompt_ids), "sampling_params": params, "rid": req.request_id}
+        else:
+            # one batch entry per sample, each with an id of its own (see the module docstring);
+            # sample i gets seed + i so that seeded samples differ from each other
+            per_sample = [
+                {**params, "sampling_seed": sp.seed + i} if sp.seed is not None else dict(params)
+                for i in range(req.n)
+            ]
+            body = {
+                "input_ids": [list(req.prompt_ids) for _ in range(req.n)],
+                "sampling_params": per_sample,
+                "rid": self.sample_rids(str(req.request_id), req.n),
+            }
         if self.return_logprob:
             body["return_logprob"] = True
             if self.logprob_start_len is not None:
@@ -134,7 +154,12 @@ class SGLangEngine(HttpEngine):
         )
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
-        body = await self.request("POST", "/generate", json_body=self.generate_body(req))
+        rid = str(req.request_id)
+        self._sample_rids[rid] = self.sample_rids(rid, req.n)
+        try:
+            body = await self.request("POST", "/generate", json_body=self.generate_body(req))
+        finally:
+            self._sample_rids.pop(rid, None)
         outs = body if isinstance(body, list) else [body]
         try:
             samples = [self._parse_one(o) for o in outs]
@@ -192,11 +217,13 @@ class SGLangEngine(HttpEngine):
         await super().resume()
 
     async def abort(self, request_id: str | None = None) -> int:
-        """``/abort_request`` for one rid (or every in-flight one); the callers get their partial
-        output with finish_reason "abort" from the server."""
+        """``/abort_request`` for every sample of one request (or of every in-flight one); the
+        callers get their partial output with finish_reason "abort" from the server. Returns the
+        number of requests aborted."""
         ids = [request_id] if request_id is not None else list(self._inflight)
         for rid in ids:
-            await self.request("POST", "/abort_request", json_body={"rid": rid}, admin=True)
+            for sample_rid in self._sample_rids.get(rid, [rid]):
+                await self.request("POST", "/abort_request", json_body={"rid": sample_rid}, admin=True)
         return len(ids)
 
     async def flush_cache(self) -> bool:

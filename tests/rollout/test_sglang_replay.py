@@ -1,6 +1,9 @@
 """The SGLang client against every recorded SGLang 0.5.23 exchange (megarl/testing/data), replayed by
 the stand-in server in megarl/testing/replay_server.py, including the error cases and the crash.
-tests/rollout/gpu_sglang.sh runs the live part of these checks against a real SGLang on a GPU."""
+test_sglang_live.py runs the same behaviours against a real SGLang on CPU (.venv-sglang); the
+transcripts keep what a live test cannot stage safely (the out-of-vocabulary crash) and the wire
+shape of native ``n > 1`` requests, which the client no longer sends (it sends n>1 as a batch with
+one id per sample, so that abort works) but whose answers it still parses."""
 
 from __future__ import annotations
 
@@ -19,6 +22,12 @@ from tests.rollout.hf_reference import hf_greedy
 
 TRANSCRIPT = transcript_path("sglang-0.5.23.jsonl")
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+
+
+async def recorded_samples(eng: SGLangEngine, name: str) -> list:
+    """Send a recorded native-n ``/generate`` body as it was and parse the answer with the client."""
+    body = await eng.request("POST", "/generate", json_body=recorded(name)["request_json"])
+    return [eng._parse_one(o) for o in body]
 
 
 def recorded(name: str) -> dict:
@@ -50,13 +59,12 @@ def test_every_sglang_transcript_through_the_client(tiny_models, tmp_path):
         r = await plain.generate(PROMPT, 1, SamplingParams(max_new_tokens=16, seed=1234))
         assert len(r.samples) == 1 and len(r.samples[0].token_ids) == 16
         assert r.samples[0].finish_reason == "length" and r.samples[0].weight_version == "default"
-        a = await plain.generate(PROMPT, 4, SamplingParams(max_new_tokens=16, seed=1234))
-        b = await plain.generate(PROMPT, 4, SamplingParams(max_new_tokens=16, seed=1234))
-        assert len(a.samples) == 4 and [s.token_ids for s in a.samples] != [s.token_ids for s in b.samples]
+        a = await recorded_samples(plain, "generate_n4")
+        b = await recorded_samples(plain, "generate_n4_same_seed_again")
+        assert len(a) == 4 and [s.token_ids for s in a] != [s.token_ids for s in b]
         # 8-9: logprobs of output and prompt tokens
         lp = SGLangEngine(replay.url, logprob_start_len=0, top_logprobs_num=2, **kw)
-        r = await lp.generate(PROMPT, 2, SamplingParams(max_new_tokens=8))
-        for s in r.samples:
+        for s in await recorded_samples(lp, "generate_logprobs"):
             assert len(s.logprobs) == len(s.token_ids) == 8 and all(x <= 0 for x in s.logprobs)
             assert [t[1] for t in s.meta["input_token_logprobs"]] == PROMPT
         lp5 = SGLangEngine(
@@ -207,3 +215,19 @@ def test_wrong_keys_are_refused_by_the_key_policy(tiny_models):
 
     replay = asyncio.run(go())
     assert replay.used.count(True) == 1  # only /health reached the recorded exchanges
+
+
+def test_n_samples_go_out_as_a_batch_with_one_id_per_sample():
+    """SGLang gives the samples of a native n>1 request random ids of their own, which no abort can
+    name; the client sends n copies of the prompt with ids ``<rid>#<i>`` (seed + i each) instead."""
+    from megarl.rollout.types import GenerateRequest
+
+    eng = SGLangEngine("http://127.0.0.1:1", vocab_size=1024)
+    sp = SamplingParams(max_new_tokens=4, seed=7)
+    one = eng.generate_body(GenerateRequest(PROMPT, 1, sp, request_id="r"))
+    assert one["rid"] == "r" and one["input_ids"] == PROMPT and one["sampling_params"]["sampling_seed"] == 7
+    three = eng.generate_body(GenerateRequest(PROMPT, 3, sp, request_id="r"))
+    assert three["rid"] == ["r#0", "r#1", "r#2"] and three["input_ids"] == [PROMPT] * 3
+    assert [p["sampling_seed"] for p in three["sampling_params"]] == [7, 8, 9]
+    assert all("n" not in p for p in three["sampling_params"])
+    asyncio.run(eng.close())
