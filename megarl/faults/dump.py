@@ -227,11 +227,14 @@ def write_dump(
     weights: dict[str, torch.Tensor] | None,
     hf_config: dict,
     learner_dir: Path | None = None,
+    side_files_from: str | None = None,
 ) -> Path:
     """Write a dump atomically (rank 0 only). ``batches``: [{batch: PackedBatch, num_micro_batches,
     normalisers: GlobalNormalisers}]; ``weights``: HF-named tensors before the step (None: the dump
     points to ``meta['checkpoint_before']`` only); ``learner_dir``: a megarl learner checkpoint of
-    the state before the step, moved into the dump as ``learner/``."""
+    the state before the step, moved into the dump as ``learner/``; ``side_files_from``: the run's
+    HF checkpoint, whose tokenizer and generation files are copied next to the weights (so a proxy
+    can be pruned from ``weights/``)."""
     from safetensors.torch import save_file
 
     raw_batches = plain(
@@ -273,6 +276,7 @@ def write_dump(
             metadata={"format": "pt"},
         )
         (wdir / "config.json").write_text(json.dumps(hf_config, indent=1))
+        copy_side_files(side_files_from, wdir)
         meta = dict(meta, weights=DUMP_WEIGHTS)
     if learner_dir is not None and Path(learner_dir).is_dir():
         os.rename(learner_dir, tmp / DUMP_LEARNER)
@@ -280,6 +284,24 @@ def write_dump(
     (tmp / DUMP_META).write_text(json.dumps(meta, indent=1, default=str))
     os.rename(tmp, out_dir)
     return out_dir
+
+
+# files of an HF checkpoint that are not the weights or the model config: tokenizer, generation
+# config, chat template (what `megarl proxy prune` needs to tokenize calibration text)
+_NOT_SIDE_FILES = ("config.json", "proxy_report.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".gguf", ".h5", ".msgpack")
+
+
+def copy_side_files(src: str | os.PathLike | None, dst: Path) -> list[str]:
+    """Copy the tokenizer / generation files of checkpoint ``src`` into ``dst``; returns their names."""
+    if not src or not Path(src).is_dir():
+        return []
+    out = []
+    for p in sorted(Path(src).iterdir()):
+        if p.is_file() and p.name not in _NOT_SIDE_FILES and not p.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copyfile(p, dst / p.name)
+            out.append(p.name)
+    return out
 
 
 def read_dump(dump_dir: str | os.PathLike) -> tuple[dict, list[dict], dict]:

@@ -276,6 +276,7 @@ class FaultMonitor:
             snap["weights"],
             self.hf_config,
             learner_dir=snap["learner_dir"],
+            side_files_from=((self.run_config or {}).get("model") or {}).get("hf_dir"),
         )
         print(
             f"megarl train: step {step} dumped to {path} ({', '.join(why)}; {time.time() - t0:.1f}s)",

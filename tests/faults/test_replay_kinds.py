@@ -194,3 +194,14 @@ def test_a_fault_in_an_expert_the_proxy_pruned_is_refused_not_dropped(reports):
     assert on_original["injections"] == ["nan"] and "nonfinite" in types(on_original["events"])
     err = on_proxy["error"]
     assert "cannot be applied on" in err and "local_experts.6" in err and "--no-inject" in err, err
+
+
+def test_a_proxy_prunes_from_a_dumps_weights_with_the_runs_tokenizer(run, tmp_path):
+    from megarl.proxy.prune import prune_moe_checkpoint
+
+    weights = run / "run" / "dumps" / "step_000004" / "weights"
+    calib = [f"R {a}{b}{c}={c}{b}{a}" for a in "1357" for b in "02468" for c in "159"]
+    rep = prune_moe_checkpoint(str(weights), str(tmp_path / "proxy"), 4, calib)
+    assert rep["num_experts"] == {"original": 8, "proxy": 4}
+    assert (tmp_path / "proxy" / "tokenizer.json").is_file()
+    assert not (weights / "proxy_report.json").exists()
