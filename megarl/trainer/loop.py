@@ -165,10 +165,11 @@ class Trainer:
             self.source.update_weights(step)
             return rec
         batch = build_batch(ro, step)
+        info = RolloutInfo(ro.answers, ro.reward_dims, ro.extras)
+        run.method.add_round_extras(batch, info)  # learner passes may read them too
         t0 = time.time()
         rec.update(run.method.fill_learner_inputs(batch, cfg.schedule.micro_batches))
         t_logprob = time.time() - t0
-        info = RolloutInfo(ro.answers, ro.reward_dims, ro.extras)
         rec.update(run.method.fill_batch_inputs(batch, info))
         run.method.advantages(batch)
         rec.update(run.method.advantages.metrics())

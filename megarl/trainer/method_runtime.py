@@ -123,6 +123,8 @@ class MethodRuntime:
             (rt.learner_passes if provider.stage == "learner" else rt.batch_fillers).append(built)
             if isinstance(built, StepHook):  # a provider that owns a trained model (e.g. a critic)
                 rt.step_hooks.append(built)
+            for n in getattr(built, "needs_inputs", ()):  # round inputs it reads (built in phase 2)
+                rt.inputs.setdefault(n, f"inputs.{provider.provides[0]}")
         return rt
 
     def build_rank0_side(self, ctx: Any, spec: Any = None, method_knobs: Any = None) -> None:
@@ -152,10 +154,15 @@ class MethodRuntime:
             out.update(p.fill(batch, micro_batches))
         return out
 
-    def fill_batch_inputs(self, batch: PackedBatch, info: RolloutInfo) -> dict[str, float]:
-        """Per-sample extras made on rank 0 into ``batch.extras`` (float64), then every batch filler."""
+    @staticmethod
+    def add_round_extras(batch: PackedBatch, info: RolloutInfo) -> None:
+        """Per-sample extras made on rank 0 into ``batch.extras`` (float64)."""
         for k, v in info.extras.items():
             batch.extras[k] = torch.as_tensor(v, dtype=torch.float64)
+
+    def fill_batch_inputs(self, batch: PackedBatch, info: RolloutInfo) -> dict[str, float]:
+        """Per-sample extras made on rank 0 into ``batch.extras`` (float64), then every batch filler."""
+        self.add_round_extras(batch, info)
         out: dict[str, float] = {}
         for f in self.batch_fillers:
             out.update(f.fill(batch, info))

@@ -371,6 +371,16 @@ METHOD_MUTANTS = [
         "step >= self.knobs.warmup_steps",
         ("tests.methods.test_bpco:test_warmup_holds_the_policy_for_exactly_n_steps",),
     ),
+    Mutant(
+        "privileged_critic_first_response_token_misplaced",
+        ("megarl.methods.critics.privileged",),
+        "privileged_batch",
+        "(pos >= batch.prompt_lens[seq])",
+        "(pos > batch.prompt_lens[seq])",
+        (
+            "tests.methods.test_privileged_critic:test_sequences_are_prompt_context_response_and_tokens_map_back",
+        ),
+    ),
 ]
 
 

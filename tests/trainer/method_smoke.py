@@ -56,6 +56,7 @@ FORMAT_REWARD = {"name": "format", "kind": "regex", "pattern": r"^\d+$", "weight
 SMOKE_OVERRIDES: dict[str, dict] = {
     # one critic warm-up step, then a policy update: both phases within the smoke's 2 steps
     "bpco": {"inputs": {"values": {"warmup_steps": 1}}},
+    "bpco-privileged": {"inputs": {"values": {"warmup_steps": 1}}},
 }
 
 

@@ -137,11 +137,13 @@ def check_signal(name: str, r: dict) -> None:
     elif name in ("ppo-critic", "ppo-or"):  # the critic filled the values GAE read and trained in the step
         assert len(_any(r, "critic/value_loss")) == STEPS and len(_any(r, "critic/values_old")) == STEPS
         assert st["method"]["step_hooks"] == [[]], st  # its state is sharded (hook_0/ in checkpoints)
-    elif name == "bpco":  # the critic's warm-up: step 1 trains the critic only, step 2 both
+    elif name in ("bpco", "bpco-privileged"):  # the critic's warm-up: step 1 the critic only, step 2 both
         assert _any(r, "critic/warmup") == [1.0, 0.0] and len(_any(r, "critic/value_loss")) == STEPS
         assert r["steps"][0]["train/optimizer_steps"] == 0 and "train/loss" not in r["steps"][0]
         assert all(0.0 <= v <= 1.0 for v in _any(r, "critic/values_old"))  # bounds: [0, 1]
         assert st["method"]["step_hooks"] == [[]], st
+        if name == "bpco-privileged":  # the critic read the answers (3 digits) after each prompt
+            assert _any(r, "critic/context_len") == [3.0] * STEPS and "CriticContext" in st["method"], st
     elif name in ("core-grpo", "core-reinforce-pp-baseline"):
         assert len(_any(r, "train/kl")) == STEPS  # the frozen reference learner was built
     elif name == "clip-cov":  # the draw counter of the covariance selection is checkpointed

@@ -13,7 +13,8 @@ epochs, init (policy | random), bounds ([low, high]: values squashed into the re
 whiten_advantages (batch whitening of the advantages before the policy update), targets (estimator:
 the returns the advantage estimator wrote | monte_carlo: the discounted reward-to-go, GAE with
 λ = 1), warmup_steps (the first N RL steps train the critic only: the hook asks the trainer to skip
-the policy's optimizer steps, ``updates_policy``).
+the policy's optimizer steps, ``updates_policy``), context (a privileged critic: it reads each prompt
+with the ``critic_context`` round input appended, megarl.methods.critics.privileged).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from megarl.advantages.estimators import monte_carlo_returns
 from megarl.batch import PackedBatch
+from megarl.methods.critics.privileged import CONTEXT, context_rows, privileged_batch
 from megarl.objectives.api import GlobalNormalisers
 from megarl.objectives.value_losses import VALUE_LOSS_KINDS, ValueObjective
 from megarl.plugin.inputs import InputProvider, register_provider
@@ -47,6 +49,7 @@ class CriticKnobs(Knobs):
     whiten_advantages: bool = False
     targets: str = "estimator"
     warmup_steps: int = 0
+    context: bool = False
 
     def check(self) -> None:
         """Ranges and names."""
@@ -113,13 +116,19 @@ class Critic:
         self.objective = ValueObjective(knobs.value_loss, knobs.value_clip, knobs.huber_delta)
         self.micro_batches = cfg.schedule.micro_batches
         self._batch: PackedBatch | None = None
+        # round inputs this part reads (the run builds their providers)
+        self.needs_inputs: tuple[str, ...] = (CONTEXT,) if knobs.context else ()
 
     # ---------------------------------------------------------------- input provider
     def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
         """``batch.values`` [T] from the critic (collective)."""
         from megarl.learner.value_model import compute_values
 
-        batch.values = compute_values(self.learner, batch, micro_batches)
+        if self.knobs.context:  # values of the critic's own sequences, back at the policy's tokens
+            seen, index = privileged_batch(batch, context_rows(batch))
+            batch.values = compute_values(self.learner, seen, micro_batches)[index]
+        else:
+            batch.values = compute_values(self.learner, batch, micro_batches)
         m = batch.loss_mask.bool()
         return {"critic/values_old": float(batch.values[m].mean()) if bool(m.any()) else 0.0}
 
@@ -140,7 +149,7 @@ class Critic:
             )
         if self.knobs.whiten_advantages:
             batch.advantages = whiten(batch.advantages, batch.loss_mask)
-        self._batch = batch
+        self._batch = privileged_batch(batch, context_rows(batch))[0] if self.knobs.context else batch
         return batch
 
     def after_step(self, step: int, metrics: dict) -> dict[str, float]:
