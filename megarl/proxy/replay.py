@@ -68,6 +68,39 @@ def check_dump_and_model(
     return meta, batches, state, model, hf, notes
 
 
+# small tensors every training step updates (norm weights): equal in a model and the dump's weights
+# only if that model's backbone was taken from them
+_BACKBONE_PROBES = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
+
+
+def _probe(model_dir: str, name: str) -> torch.Tensor | None:
+    from safetensors import safe_open
+
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            if name in fh.keys():
+                return fh.get_tensor(name)
+    return None
+
+
+def backbone_note(dump_dir: str, meta: dict, model_dir: str) -> str | None:
+    """A note when ``model_dir``'s backbone is not the dump's pre-step weights (a proxy pruned from
+    another checkpoint): the spike detectors then judge another model against the run's baselines."""
+    own = default_weights(dump_dir, meta)
+    if own is None or Path(own).resolve() == Path(model_dir).resolve():
+        return None
+    for name in _BACKBONE_PROBES:
+        a, b = _probe(own, name), _probe(model_dir, name)
+        if a is not None and b is not None and (a.shape != b.shape or not torch.equal(a, b)):
+            return (
+                f"{model_dir} does not hold the dump's pre-step backbone ({name} differs): it was not "
+                "pruned from the dump's weights, so its grad norm and loss are judged against the run's "
+                "baselines of another model and a spike may come from the weights, not the fault; prune "
+                f"from {own}, or compare with a --no-inject replay on the same model"
+            )
+    return None
+
+
 def full_state_dir(dump_dir: str, meta: dict) -> str | None:
     """The learner checkpoint holding the state before the dumped step: the dump's own
     ``learner/``, else the run checkpoint of the previous step if it still exists."""
@@ -104,6 +137,8 @@ def replay_dump(
     from megarl.objectives.rl_objective import build_objective
 
     meta, batches, state, model, hf, notes = check_dump_and_model(dump_dir, model_dir)
+    if model_dir is not None and (note := backbone_note(dump_dir, meta, model_dir)):
+        notes.append(note)
     if old_logprobs not in ("auto", "dump", "recompute"):
         raise DumpError(f"old_logprobs={old_logprobs!r}; allowed: auto, dump, recompute")
     step = int(meta["step"])

@@ -142,13 +142,17 @@ def reports(run):
     meta["injections"][0]["target"] = "decoder.layers.0.mlp.experts.local_experts.6"
     (expert / "dump.json").write_text(json.dumps(meta))
     jobs += [(str(expert), "", True), (str(expert), str(run / "proxy_6"), True)]
+    # a proxy of the run's starting weights, not of the dump's
+    step0 = slice_experts(run / "orig", run / "proxy_0", [0, 2, 4, 6])
+    jobs.append((str(dumps / "step_000009"), str(step0), True))
     reps = replay(jobs)
     n = len(KINDS)
     return {
         "kinds": reps[:n],
         "original": reps[n : n + 2],
         "bare": reps[n + 2 : n + 4],
-        "expert": reps[n + 4 :],
+        "expert": reps[n + 4 : n + 6],
+        "step0": reps[n + 6],
     }
 
 
@@ -161,6 +165,7 @@ def test_every_injected_kind_replays_with_its_recorded_event_on_a_proxy(reports)
         assert rep["same_event_types"]
         assert rep["injections"] == [kind], (step, rep["injections"])
         assert rep["injections_in_batch"] == [], (step, rep)
+        assert not any("pre-step backbone" in n for n in rep["notes"]), rep["notes"]
     # the token poison is put back on the dump's clean batch after the proxy's own old logprobs
     tokens = reps[0]
     assert any("clean batch" in n for n in tokens["notes"]), tokens["notes"]
@@ -205,3 +210,9 @@ def test_a_proxy_prunes_from_a_dumps_weights_with_the_runs_tokenizer(run, tmp_pa
     assert rep["num_experts"] == {"original": 8, "proxy": 4}
     assert (tmp_path / "proxy" / "tokenizer.json").is_file()
     assert not (weights / "proxy_report.json").exists()
+
+
+def test_a_proxy_not_pruned_from_the_dumps_weights_is_named_in_a_note(reports):
+    notes = reports["step0"]["notes"]
+    want = "does not hold the dump's pre-step backbone (model.norm.weight differs)"
+    assert any(want in n for n in notes), notes
