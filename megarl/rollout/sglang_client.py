@@ -11,8 +11,10 @@ Behaviour measured on SGLang 0.5.23 that shapes this client (see megarl/testing/
 - ``/generate`` answers one object for n=1 and a list for n>1;
 - with ``sampling_params.n > 1`` the server gives each sample a random id of its own, so aborting the
   request's id stops nothing (measured live: an n=2 request ran to its end). n>1 is therefore sent
-  as a batch of n copies of the prompt with one id per sample (``<rid>#<i>``), and ``abort``
-  aborts every sample's id;
+  as a batch of n copies of the prompt with one id per sample, and ``abort`` aborts every sample's id;
+- ``/abort_request {rid}`` aborts every request whose id STARTS with ``rid`` (measured live:
+  aborting "p-1" cut "p-10"), so the ids sent are ``<request id>#<i>``, never a prefix of another
+  request's (the engine's own request ids are "megarl-<pid>-<counter>");
 - the per-request seed is ignored unless the server runs with --enable-deterministic-inference.
 """
 
@@ -67,9 +69,9 @@ class SGLangEngine(HttpEngine):
 
     @staticmethod
     def sample_rids(request_id: str, n: int) -> list[str]:
-        """The server-side ids of a request's samples: the request id for n=1, else
-        ``<request_id>#<i>`` for each sample."""
-        return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        """The server-side ids of a request's samples, ``<request_id>#<i>``: the terminator keeps
+        one request's ids from being a prefix of another's ("p-1#0" is no prefix of "p-10#0")."""
+        return [f"{request_id}#{i}" for i in range(n)]
 
     def generate_body(self, req: GenerateRequest) -> dict:
         """The JSON body of ``/generate`` for one request."""
@@ -91,7 +93,11 @@ class SGLangEngine(HttpEngine):
         if req.n == 1:
             if sp.seed is not None:
                 params["sampling_seed"] = sp.seed
-            body = {"input_ids": list(req.prompt_ids), "sampling_params": params, "rid": req.request_id}
+            body = {
+                "input_ids": list(req.prompt_ids),
+                "sampling_params": params,
+                "rid": self.sample_rids(str(req.request_id), 1)[0],
+            }
         else:
             # one batch entry per sample, each with an id of its own (see the module docstring);
             # sample i gets seed + i so that seeded samples differ from each other
@@ -222,7 +228,8 @@ class SGLangEngine(HttpEngine):
         number of requests aborted."""
         ids = [request_id] if request_id is not None else list(self._inflight)
         for rid in ids:
-            for sample_rid in self._sample_rids.get(rid, [rid]):
+            # not in flight here: "<rid>#" still reaches its samples on the server, and nothing else
+            for sample_rid in self._sample_rids.get(rid, [f"{rid}#"]):
                 await self.request("POST", "/abort_request", json_body={"rid": sample_rid}, admin=True)
         return len(ids)
 

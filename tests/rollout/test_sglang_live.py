@@ -182,6 +182,29 @@ def test_live_abort_by_request_id(sglang_server, n):
         assert s.finish_reason == "abort" and len(s.token_ids) < LONG
 
 
+def test_live_abort_cuts_only_the_named_request(sglang_server):
+    """SGLang aborts every request whose id starts with the id given: aborting "p-1" must not cut
+    "p-10" (the engine's own ids are "megarl-<pid>-<counter>", so such pairs are common)."""
+
+    async def go():
+        async with sglang_server.client() as eng:
+            sp = SamplingParams(max_new_tokens=LONG, ignore_eos=True)
+            victim = asyncio.ensure_future(eng.generate(PROMPT, 1, sp, request_id="p-1"))
+            other = asyncio.ensure_future(
+                eng.generate(
+                    PROMPT, 2, SamplingParams(max_new_tokens=200, ignore_eos=True), request_id="p-10"
+                )
+            )
+            await _started(eng, "p-1")
+            await _started(eng, "p-10")
+            await eng.abort("p-1")
+            return (await victim).samples, (await other).samples
+
+    cut, kept = run(go())
+    assert cut[0].finish_reason == "abort"
+    assert [(s.finish_reason, len(s.token_ids)) for s in kept] == [("length", 200)] * 2
+
+
 def test_live_bad_requests_and_health(sglang_server):
     async def go():
         async with sglang_server.client() as eng:

@@ -25,9 +25,10 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 
 
 async def recorded_samples(eng: SGLangEngine, name: str) -> list:
-    """Send a recorded native-n ``/generate`` body as it was and parse the answer with the client."""
+    """Send a recorded ``/generate`` body as it was and parse the answer (one object or a list)
+    with the client."""
     body = await eng.request("POST", "/generate", json_body=recorded(name)["request_json"])
-    return [eng._parse_one(o) for o in body]
+    return [eng._parse_one(o) for o in (body if isinstance(body, list) else [body])]
 
 
 def recorded(name: str) -> dict:
@@ -98,37 +99,30 @@ def test_every_sglang_transcript_through_the_client(tiny_models, tmp_path):
         assert await plain.flush_cache()
         await plain.pause("abort")
         await plain.resume()
+        # 22-31 were recorded with plain request ids; the client now sends "<id>#<i>" (SGLang aborts
+        # by id prefix), so these bodies go out as recorded and the answers are parsed by the client.
         # 22-25: pause in place with a long request running; flush refused while paused; it resumes
-        long_sp = SamplingParams(max_new_tokens=400, ignore_eos=True)
-        t = asyncio.ensure_future(plain.generate(PROMPT, 1, long_sp, request_id="pause-inplace-demo"))
+        t = asyncio.ensure_future(recorded_samples(plain, "generate_long_during_pause_in_place"))
         await asyncio.sleep(0.1)
         await plain.pause("in_place")
         assert not await plain.flush_cache()
         await plain.resume()
-        r = await t
-        assert r.samples[0].finish_reason == "length" and len(r.samples[0].token_ids) == 400
+        (s,) = await t
+        assert s.finish_reason == "length" and len(s.token_ids) == 400
         # 26-28: pause in abort mode cuts a running request: HTTP 200, partial output, "abort"
-        t = asyncio.ensure_future(
-            plain.generate(
-                PROMPT, 1, SamplingParams(max_new_tokens=800, ignore_eos=True), request_id="pause-abort-demo"
-            )
-        )
+        t = asyncio.ensure_future(recorded_samples(plain, "generate_long_during_pause_abort"))
         await asyncio.sleep(0.1)
         await plain.pause("abort")
-        r = await t
-        assert r.samples[0].finish_reason == "abort" and 0 < len(r.samples[0].token_ids) < 800
+        (s,) = await t
+        assert s.finish_reason == "abort" and 0 < len(s.token_ids) < 800
         await plain.resume()
         # 29-31: abort one request by id; aborting an unknown id is not an error
-        t = asyncio.ensure_future(
-            plain.generate(
-                PROMPT, 1, SamplingParams(max_new_tokens=1000, ignore_eos=True), request_id="long-abort-demo"
-            )
-        )
+        t = asyncio.ensure_future(recorded_samples(plain, "generate_long_aborted"))
         await asyncio.sleep(0.1)
-        assert await plain.abort("long-abort-demo") == 1
-        r = await t
-        assert r.samples[0].finish_reason == "abort" and 0 < len(r.samples[0].token_ids) < 1000
-        await plain.abort("no-such-rid")
+        await plain.request("POST", "/abort_request", json_body={"rid": "long-abort-demo"}, admin=True)
+        (s,) = await t
+        assert s.finish_reason == "abort" and 0 < len(s.token_ids) < 1000
+        await plain.request("POST", "/abort_request", json_body={"rid": "no-such-rid"}, admin=True)
         # 32-34: OpenAI routes, sent raw through the client
         for name in ("v1_completions_n2_logprobs", "v1_chat_completions_n2_logprobs", "v1_models"):
             rec = recorded(name)
@@ -219,13 +213,14 @@ def test_wrong_keys_are_refused_by_the_key_policy(tiny_models):
 
 def test_n_samples_go_out_as_a_batch_with_one_id_per_sample():
     """SGLang gives the samples of a native n>1 request random ids of their own, which no abort can
-    name; the client sends n copies of the prompt with ids ``<rid>#<i>`` (seed + i each) instead."""
+    name; the client sends n copies of the prompt with ids ``<rid>#<i>`` (seed + i each) instead, and
+    the "#" keeps one request's ids from being a prefix of another's (SGLang aborts by prefix)."""
     from megarl.rollout.types import GenerateRequest
 
     eng = SGLangEngine("http://127.0.0.1:1", vocab_size=1024)
     sp = SamplingParams(max_new_tokens=4, seed=7)
     one = eng.generate_body(GenerateRequest(PROMPT, 1, sp, request_id="r"))
-    assert one["rid"] == "r" and one["input_ids"] == PROMPT and one["sampling_params"]["sampling_seed"] == 7
+    assert one["rid"] == "r#0" and one["input_ids"] == PROMPT and one["sampling_params"]["sampling_seed"] == 7
     three = eng.generate_body(GenerateRequest(PROMPT, 3, sp, request_id="r"))
     assert three["rid"] == ["r#0", "r#1", "r#2"] and three["input_ids"] == [PROMPT] * 3
     assert [p["sampling_seed"] for p in three["sampling_params"]] == [7, 8, 9]
