@@ -158,9 +158,7 @@ class EnvironmentConfig:
     answer's reward. ``tools``: the model may call tools (``<tool_call>`` JSON; a calculator) and
     gets their results as observations until it answers, up to ``max_turns`` turns."""
 
-    name: str = (
-        "none"  # a WORKFLOWS name: none (single turn), retry (another turn after a wrong answer), tools
-    )
+    name: str = "none"  # a WORKFLOWS name: none (single turn), retry (wrong: one more turn), tools
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
 

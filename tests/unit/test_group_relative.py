@@ -40,10 +40,14 @@ def batch(group_ids: list[int], rewards: list[float], dims: bool = False) -> Pac
 def test_group_relative_flag_matches_zero_advantages_for_groups_of_one(name):
     fn = ADVANTAGE_ESTIMATORS.get(name)
     dims = name == "rspo"
-    ones = fn(batch([0, 1, 2, 3], [1.0, 0.0, 0.5, 1.0], dims))
     pairs = fn(batch([0, 0, 1, 1], [1.0, 0.0, 0.5, 1.0], dims))
     assert bool(pairs.abs().sum() > 0), name  # the probe batch does move this estimator
-    assert ADVANTAGE_ESTIMATORS.info(name).group_relative == bool((ones == 0).all()), name
+    try:
+        ones = fn(batch([0, 1, 2, 3], [1.0, 0.0, 0.5, 1.0], dims))
+        all_zero = bool((ones == 0).all())
+    except ValueError:  # the estimator refuses groups of one itself (grpo_passk): as good as all zero
+        all_zero = True
+    assert ADVANTAGE_ESTIMATORS.info(name).group_relative == all_zero, name
 
 
 def test_the_core_group_estimators_are_flagged():

@@ -35,7 +35,7 @@ def gpg_loss(logp, old_logp, adv, mask, cu_seqlens, clip_low=None, clip_high=Non
     return -adv * logp
 
 
-ADVANTAGE_ESTIMATORS.add("gpg", _gpg_estimator, PartInfo(group_relative=True))
+ADVANTAGE_ESTIMATORS.add("gpg", _gpg_estimator)  # a group of one keeps its reward (baseline 0, as verl)
 POLICY_LOSSES.add("gpg", gpg_loss, PartInfo())
 
 SPEC = MethodSpec(

@@ -57,7 +57,7 @@ def _grpo_passk(batch, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Te
     return per_token(batch, grpo_passk_advantages(scalar_rewards(batch), batch.group_ids, scale_by_std, eps))
 
 
-ADVANTAGE_ESTIMATORS.add("opo", _opo, PartInfo(group_relative=True))
+ADVANTAGE_ESTIMATORS.add("opo", _opo)  # a group of one keeps its reward (baseline 0, as verl)
 ADVANTAGE_ESTIMATORS.add("grpo_passk", _grpo_passk, PartInfo(group_relative=True))
 
 OPO = MethodSpec(
