@@ -296,8 +296,14 @@ def format_report(rep: dict) -> str:
         f"  events recorded: {', '.join(rec) or 'none'}; replayed: {', '.join(got) or 'none'}"
         f"  ({'same types' if rep['same_event_types'] else 'DIFFERENT types'})"
     )
-    for e in rep["events"]:
-        lines.append(f"    {e['type']}: {json.dumps(e['detail'], default=str)}")
+    # each event type with its numbers, replayed and recorded, so a match of types is not all one sees
+    by_type = {t: [e for e in rep["events"] if e["type"] == t] for t in got}
+    was = {t: [e for e in rep["recorded_events"] if e["type"] == t] for t in rec}
+    for t in sorted(set(got) | set(rec)):
+        mine = json.dumps([e["detail"] for e in by_type.get(t, [])] or "none", default=str)
+        theirs = json.dumps([e["detail"] for e in was.get(t, [])] or "none", default=str)
+        lines.append(f"    {t}: replayed {mine.strip('[]')}")
+        lines.append(f"    {' ' * len(t)}  recorded {theirs.strip('[]')}")
     return "\n".join(lines)
 
 
