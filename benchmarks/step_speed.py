@@ -15,8 +15,10 @@ ones are the same numbers detached: the update is on-policy), the clipped loss, 
 It is what a single-process trainer such as TRL's GRPOTrainer does, without a framework around it.
 
 Each side is its own process (``os.wait4`` gives its CPU time, peak RSS and context switches,
-children included). Printed: median s/step over the steps after the first, CPU seconds and
-voluntary context switches of the whole process and per step, peak RSS, megarl's logged phase
+children included). Printed: median s/step over the steps after the first, CPU seconds per step
+(megarl: the process's CPU time between its records of step 1 and step N-1; the baseline: its own
+``time.process_time`` per step; less sensitive to a shared machine's load than wall time), CPU
+seconds and voluntary context switches of the whole process, peak RSS, megarl's logged phase
 times (``time/rollout``, ``time/logprob``, ``time/train``, ``time/sync``), the threads of the megarl
 process that made the most voluntary context switches, and megarl / baseline ratios.
 """
@@ -78,6 +80,16 @@ def megarl_overrides(steps: int, run_dir: str) -> list[str]:
     ]
 
 
+def _cpu_s(pid: int, tid: int | None = None) -> float | None:
+    """CPU seconds (user + system) of a live process (all its threads) or of one of its threads."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _descendants(pid: int) -> list[int]:
     """``pid`` and its live descendant processes."""
     out, todo = [], [pid]
@@ -92,7 +104,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _thread_switches(pid: int, seen: dict[tuple[int, int], tuple[str, int]]) -> None:
+def _thread_switches(pid: int, seen: dict[tuple[int, int], tuple[str, int, float]]) -> None:
     """Record in ``seen`` the voluntary context switches of every thread of ``pid`` and of its
     descendants, keyed by (process, thread), with the thread's name (child processes: 'child:')."""
     for p in _descendants(pid):
@@ -107,32 +119,41 @@ def _thread_switches(pid: int, seen: dict[tuple[int, int], tuple[str, int]]) -> 
                 continue
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
             name = ("" if p == pid else "child:") + fields.get("Name", "?").strip()
-            seen[(p, int(tid))] = (name, int(fields.get("voluntary_ctxt_switches", "0")))
+            cpu = _cpu_s(p, int(tid)) or 0.0
+            seen[(p, int(tid))] = (name, int(fields.get("voluntary_ctxt_switches", "0")), cpu)
 
 
-def _by_name(seen: dict[tuple[int, int], tuple[str, int]]) -> dict[str, list[int]]:
-    """Thread name -> [threads seen, their voluntary context switches summed]."""
-    out: dict[str, list[int]] = {}
-    for name, n in seen.values():
-        slot = out.setdefault(name, [0, 0])
+def _by_name(seen: dict[tuple[int, int], tuple[str, int, float]]) -> dict[str, list[float]]:
+    """Thread name -> [threads seen, their voluntary context switches, their CPU seconds]."""
+    out: dict[str, list[float]] = {}
+    for name, n, cpu in seen.values():
+        slot = out.setdefault(name, [0, 0, 0.0])
         slot[0] += 1
         slot[1] += n
+        slot[2] += cpu
     return out
 
 
-def run_measured(cmd: list[str], env: dict, log_path: Path) -> dict:
+def run_measured(cmd: list[str], env: dict, log_path: Path, steps_done=None) -> dict:
     """Run ``cmd``; its wall time, CPU seconds, peak RSS, context switches (``os.wait4``) and the
     voluntary context switches per thread name, sampled every 0.1 s while it ran (a thread's last
-    sample: threads that lived less than 0.1 s are missed)."""
+    sample: threads that lived less than 0.1 s are missed). ``steps_done()``, when given, counts the
+    steps the process finished so far: ``marks`` then holds (steps, process CPU s) at each new count."""
     t0 = time.time()
+    marks: list[tuple[int, float]] = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        seen: dict[tuple[int, int], tuple[str, int]] = {}
+        seen: dict[tuple[int, int], tuple[str, int, float]] = {}
         done = threading.Event()
 
         def watch() -> None:
             while not done.wait(0.1):
                 _thread_switches(proc.pid, seen)
+                n = steps_done() if steps_done else 0
+                if n and (not marks or n > marks[-1][0]):
+                    cpu = _cpu_s(proc.pid)
+                    if cpu is not None:
+                        marks.append((n, cpu))
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -149,6 +170,7 @@ def run_measured(cmd: list[str], env: dict, log_path: Path) -> dict:
         "vol_ctx": ru.ru_nvcsw,
         "invol_ctx": ru.ru_nivcsw,
         "threads": _by_name(seen),
+        "marks": marks,
     }
 
 
@@ -159,7 +181,22 @@ def run_megarl(steps: int, threads: int, work: Path, extra: list[str]) -> dict:
         os.environ, MEGARL_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT)
     )
     cmd = [sys.executable, "-m", "megarl.cli", "train", str(ROOT / "examples/quickstart.yaml")]
-    res = run_measured(cmd + megarl_overrides(steps, str(run_dir)) + extra, env, work / "megarl.log")
+    metrics = run_dir / "metrics.jsonl"
+
+    def steps_done() -> int:  # records after step 0's evaluation
+        try:
+            return max(0, len(metrics.read_text().splitlines()) - 1)
+        except OSError:
+            return 0
+
+    res = run_measured(
+        cmd + megarl_overrides(steps, str(run_dir)) + extra, env, work / "megarl.log", steps_done
+    )
+    # CPU per step between the records of step 1 and step N-1 (the last record includes the final
+    # evaluation and checkpoint)
+    inner = [(n, c) for n, c in res["marks"] if 1 <= n <= steps - 1]
+    if len(inner) >= 2 and inner[-1][0] > inner[0][0]:
+        res["cpu_per_step"] = (inner[-1][1] - inner[0][1]) / (inner[-1][0] - inner[0][0])
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r.get("step", 0) >= 2]  # step 1 pays one-time costs
     res["phases"] = {k: statistics.median(r[k] for r in recs if k in r) for k in PHASES}
@@ -196,9 +233,10 @@ def baseline_worker(out_path: str, steps: int, threads: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     rows = [json.loads(x) for x in (ROOT / "examples/data/reverse3-train.jsonl").read_text().splitlines()]
     times: list[dict] = []
+    cpu: list[float] = []
     for step in range(steps):
         batch = rows[(step * PROMPTS) % len(rows) :][:PROMPTS]
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         prompts = torch.tensor([tok.encode(r["prompt"]) for r in batch])  # equal lengths: no padding
         P = prompts.shape[1]
         model.eval()
@@ -232,10 +270,19 @@ def baseline_worker(out_path: str, steps: int, threads: int) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         times.append({"time/rollout": t_gen, "time/train": time.time() - t1, "time/step": time.time() - t0})
+        cpu.append(time.process_time() - c0)
     later = times[1:] or times
     phases = {k: statistics.median(t[k] for t in later) for k in times[0]}
+    cpu_per_step = statistics.mean(cpu[1:] or cpu)
     Path(out_path).write_text(
-        json.dumps({"phases": phases, "s_per_step": phases["time/step"], "steps": steps})
+        json.dumps(
+            {
+                "phases": phases,
+                "s_per_step": phases["time/step"],
+                "steps": steps,
+                "cpu_per_step": cpu_per_step,
+            }
+        )
     )
 
 
@@ -251,6 +298,7 @@ def report(m: dict, b: dict | None) -> None:
     row("median s/step (steps >= 2)", m["s_per_step"], b and b["s_per_step"])
     for k in PHASES[:-1]:
         row(f"  {k}", m["phases"][k], b and b["phases"].get(k))
+    row("CPU s/step (mean, steps 2..N-1)", m.get("cpu_per_step", float("nan")), b and b["cpu_per_step"])
     row("CPU s, whole process", m["cpu_s"], b and b["cpu_s"], "{:.1f}")
     row("wall s, whole process", m["wall_s"], b and b["wall_s"], "{:.1f}")
     row("peak RSS MiB", m["peak_rss_mib"], b and b["peak_rss_mib"], "{:.0f}")
@@ -260,7 +308,11 @@ def report(m: dict, b: dict | None) -> None:
     top = sorted(m["threads"].items(), key=lambda kv: -kv[1][1])[:8]
     print(
         "megarl threads by voluntary ctx switches (last seen; name x threads): "
-        + ", ".join(f"{n} x{k} {c}" for n, (k, c) in top)
+        + ", ".join(f"{n} x{k:.0f} {c:.0f}" for n, (k, c, _) in top)
+    )
+    top = sorted(m["threads"].items(), key=lambda kv: -kv[1][2])[:5]
+    print(
+        "megarl threads by CPU s (last seen): " + ", ".join(f"{n} x{k:.0f} {s:.1f}" for n, (k, _, s) in top)
     )
 
 
