@@ -47,9 +47,9 @@ def check_request(
     """Validate the target expert count against the config; returns ``(top_k', warnings)``.
 
     Errors: E' not a positive integer, E' > E, E' = E (unless ``allow_identity``), E' < top-k
-    (unless ``clamp_topk``: then top-k' = E' and a warning), E' not divisible by ``ep_size`` or by
-    the routing groups, fewer than 2 experts per routing group (group scores use the top 2), and
-    top-k' larger than what ``topk_group`` groups can hold.
+    (unless ``clamp_topk``: then top-k' = E' and a warning; E' = top-k warns too), E' not
+    divisible by ``ep_size`` or by the routing groups, fewer than 2 experts per routing group
+    (group scores use the top 2), and top-k' larger than what ``topk_group`` groups can hold.
     """
     E, k, where = cfg.num_experts, cfg.top_k, "config.json"
     warnings: list[str] = []
@@ -75,6 +75,13 @@ def check_request(
         warnings.append(
             f"top-k clamped from {k} to {num_experts}: every token now uses all experts "
             "(routing differs from the original)"
+        )
+    elif num_experts == k:
+        warnings.append(
+            f"--experts {num_experts} = num_experts_per_tok: every token is routed to all {num_experts} "
+            "kept experts, so the router no longer selects and routing differs from the original "
+            "(only the gate weights still vary); the report's coverage says how many tokens keep "
+            "their experts"
         )
     if cfg.n_group > 1:
         G = cfg.n_group

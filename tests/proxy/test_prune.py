@@ -459,3 +459,13 @@ def test_cli_prune_and_errors(work, capsys, monkeypatch):
 def test_source_directory_unchanged(work):
     """Runs last in this module (pytest keeps file order): nothing above touched the original."""
     assert dir_digest(work["src"]) == work["digest"]
+
+
+def test_keeping_no_more_experts_than_top_k_warns_that_routing_no_longer_selects():
+    from megarl.proxy.hf_expert_files import MoEConfig
+    from megarl.proxy.prune import check_request
+
+    cfg = MoEConfig(model_type="qwen3_moe", num_experts=8, top_k=2)
+    k, warns = check_request(cfg, 2, 2, clamp_topk=False, allow_identity=False)
+    assert k == 2 and any("every token is routed to all 2 kept experts" in w for w in warns), warns
+    assert check_request(cfg, 4, 2, clamp_topk=False, allow_identity=False)[1] == []
