@@ -104,6 +104,8 @@ def prepare_batches(
             "old logprobs kept from the dump for the token-poisoned batch: the dump holds no clean "
             "batch, and recomputing them on the poisoned tokens would erase the fault"
         )
+    if poisons and not inject and not in_batch:
+        notes.append("trained on the dump's clean batch (before the poison): the poison is left out")
     if in_batch and not inject:
         notes.append("the poison cannot be removed: the dump holds only the poisoned batch (no clean batch)")
     if in_batch and tokens_poisoned and recompute and not kept_for_tokens:

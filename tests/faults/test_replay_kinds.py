@@ -181,6 +181,7 @@ def test_token_poison_replays_exactly_on_the_original_and_goes_away_without_inje
     # --no-inject: the clean batch, so the fault is gone, and nothing claims to be applied
     assert clean["injections"] == [] and clean["injections_in_batch"] == []
     assert clean["events"] == [], clean["events"]
+    assert any("the poison is left out" in n for n in clean["notes"]), clean["notes"]
 
 
 def test_a_dump_without_its_clean_batch_keeps_the_dumped_old_logprobs_and_says_so(reports):
