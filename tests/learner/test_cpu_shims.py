@@ -107,12 +107,12 @@ import json, os, torch, torch.distributed as dist
 from megarl.learner.parallel import ParallelLayout, initialize_parallel
 g = initialize_parallel(ParallelLayout())
 groups = {k: getattr(g, k) for k in ("tp", "pp", "ep", "cp", "dp", "dp_cp", "expt_dp", "expt_tp", "mp")}
+x = torch.ones(3)
+dist.all_reduce(x, group=g.tp)  # first: the loop thread is named when it starts (a race before it)
 loops = 0
 for tid in os.listdir("/proc/self/task"):
     with open(f"/proc/self/task/{tid}/comm") as f:
         loops += f.read().strip() == "gloo_tcp_loop"
-x = torch.ones(3)
-dist.all_reduce(x, group=g.tp)
 print(json.dumps({"world": dist.get_world_size(), "loops": loops, "sum": x.tolist(),
                   "not_world": sorted(k for k, v in groups.items() if v is not dist.group.WORLD)}))
 """
