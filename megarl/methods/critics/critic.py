@@ -5,11 +5,13 @@ fills ``batch.values`` [T] with the critic's values (V_old, what GAE reads); aft
 optimizer steps it takes ``epochs`` optimizer steps of the value loss toward ``batch.returns`` (the
 targets GAE wrote) on its own data-parallel share. The critic is the policy's architecture with a
 scalar head (megarl.learner.value_model), under the run's TP/PP/EP layout, with its own Adam state,
-initialised from the policy's initial weights (``init: policy``) or randomly; its sharded state is
+initialised from the policy's initial weights (``init: policy``), randomly (``init: random``) or
+from another HF checkpoint of the same architecture (``init: PATH``); its sharded state is
 saved in every run checkpoint and restored on resume.
 
 Knobs (``inputs.values.<knob>``): lr, value_loss (mse | clipped | huber), value_clip, huber_delta,
-epochs, init (policy | random), bounds ([low, high]: values squashed into the reward range),
+epochs, init (policy | random | an HF checkpoint directory), bounds ([low, high]: values squashed
+into the reward range),
 whiten_advantages (batch whitening of the advantages before the policy update), targets (estimator:
 the returns the advantage estimator wrote | monte_carlo: the discounted reward-to-go, GAE with
 λ = 1), warmup_steps (the first N RL steps train the critic only: the hook asks the trainer to skip
@@ -20,6 +22,7 @@ with the ``critic_context`` round input appended, megarl.methods.critics.privile
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,8 +64,12 @@ class CriticKnobs(Knobs):
             raise ValueError("value_clip and huber_delta must be > 0")
         if self.epochs < 1:
             raise ValueError(f"epochs={self.epochs} must be >= 1")
-        if self.init not in ("policy", "random"):
-            raise ValueError(f"init={self.init!r}; known: policy, random")
+        if self.init not in ("policy", "random") and not os.path.isfile(
+            os.path.join(self.init, "config.json")
+        ):
+            raise ValueError(
+                f"init={self.init!r}: not policy, random or an HF checkpoint directory (no config.json there)"
+            )
         if self.bounds is not None and (len(self.bounds) != 2 or not self.bounds[0] < self.bounds[1]):
             raise ValueError(f"bounds={self.bounds} must be [low, high] with low < high")
         if self.targets not in VALUE_TARGETS:
@@ -107,7 +114,7 @@ class Critic:
             ctx.hf_config,
             ctx.groups,
             optim,
-            str(ctx.init_dir) if knobs.init == "policy" else None,
+            {"policy": str(ctx.init_dir), "random": None}.get(knobs.init, knobs.init),
             torch.bfloat16 if cfg.model.params_dtype == "bfloat16" else torch.float32,
             cfg.model.seed + 1,
             tuple(knobs.bounds) if knobs.bounds is not None else None,
