@@ -69,11 +69,19 @@ def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
 
 _fork_guard_depth = 0
 _fork_hook_registered = False
+_forker_pid = 0  # the pid of the process that is forking (set just before every fork)
+
+
+def _before_fork() -> None:
+    global _forker_pid
+    _forker_pid = os.getpid()
 
 
 def _after_fork_in_child() -> None:
+    # the parent's pid as it was at fork time: os.getppid() here would already name the reaper if
+    # the parent died before this line ran, and that death would go unnoticed
     if _fork_guard_depth > 0:
-        set_parent_death_signal(signal.SIGKILL, os.getppid())
+        set_parent_death_signal(signal.SIGKILL, _forker_pid)
 
 
 @contextmanager
@@ -83,7 +91,7 @@ def forks_die_with_parent() -> Iterator[None]:
     global _fork_guard_depth, _fork_hook_registered
     _resolve_prctl()
     if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=_after_fork_in_child)
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _fork_hook_registered = True
     _fork_guard_depth += 1
     try:
