@@ -99,7 +99,7 @@ def wait_text(job: Job, pattern: str, timeout: float) -> re.Match:
 
 def wait_restarted(cluster: SlurmCluster, job: Job, started: str, timeout: float) -> None:
     """Wait until the requeued job's next attempt prints ``started``, through Slurm's own requeue
-    back-off (the job waits in PENDING/BeginTime about 10 s here). Forcing ``StartTime=now`` instead
+    back-off (the job waits in PENDING/BeginTime 10-20 s here). Forcing ``StartTime=now`` instead
     started the attempt before node1 had finished the previous one: the batch launch failed at once
     (JobState FAILED, ExitCode 1:0, RunTime 0, nothing written), which is what CI saw as a requeued
     job that never printed its restart line. A final state ends the wait with the job's record."""
