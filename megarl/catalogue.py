@@ -52,7 +52,7 @@ METHODS: dict[str, str] = {
     "remax": "megarl.methods.peers.remax:SPEC",
     "kl_reward": "megarl.methods.peers.kl_reward:SPEC",
     "otb": "megarl.methods.peers.otb:SPEC",
-    "ppo_critic": "megarl.methods.critics.ppo:SPEC",
+    "ppo_critic": "megarl.methods.critics.ppo_critic:SPEC",
     "bpco": "megarl.methods.critics.bpco:SPEC",
     "amrp": "megarl.rewards.shaping.amrp:SPEC",
     "care": "megarl.rewards.shaping.care:SPEC",

@@ -15,7 +15,7 @@ import yaml
 
 from megarl.batch import from_sequences
 from megarl.data.tokenizer import CharTokenizer
-from megarl.methods.credit.inputs import single_turn_spans
+from megarl.methods.credit.step_inputs import single_turn_spans
 from megarl.plugin.context import RunContext
 from megarl.plugin.core_inputs import teacher_hf_config
 from megarl.plugin.inputs import RolloutInfo

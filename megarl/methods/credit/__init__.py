@@ -9,11 +9,11 @@ from megarl.methods.credit import (  # noqa: F401
     dash,
     gepo,
     gigpo,
-    inputs,
     pgpo,
     rrpo,
     rrpo_scores,
     rspo,
     softmax_grpo,
+    step_inputs,
     taco,
 )
