@@ -8,12 +8,9 @@ digit is at position i) and another turn, up to ``max_turns``; the episode score
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-
 from megarl.plugin.spec import MethodSpec
-from megarl.rollout.environments import StepResult, run_episode
-from megarl.rollout.workflow import WORKFLOWS, episode_trajectory
+from megarl.rollout.environments import StepResult
+from megarl.rollout.workflow import WORKFLOWS, EpisodeWorkflow
 
 
 class FirstWrongDigit:
@@ -36,20 +33,11 @@ class FirstWrongDigit:
         return StepResult(self.tok.encode(f" C{first}=", bos=False), 0.0, False)
 
 
-class FirstWrongDigitWorkflow:
-    """How one prompt becomes ``n`` episodes: the same seam the built-in workflows use."""
+class FirstWrongDigitWorkflow(EpisodeWorkflow):
+    """How one prompt becomes ``n`` concurrent episodes: the built-in runner, this environment."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-    async def run(self, engine, prompt, answer, prompt_ids, n, sampling):
-        async def one(j: int):
-            env = FirstWrongDigit(self.ctx.tokenizer, prompt, answer, self.ctx.env.max_turns)
-            sp = dataclasses.replace(sampling, seed=(sampling.seed * 31 + j) % 2**31)
-            ep = await run_episode(engine, env, sp, self.ctx.env.max_turns, max_len=self.ctx.max_len)
-            return episode_trajectory(ep, env)
-
-        return list(await asyncio.gather(*[one(j) for j in range(n)]))
+    def make_env(self, prompt: str, answer: str) -> FirstWrongDigit:
+        return FirstWrongDigit(self.ctx.tokenizer, prompt, answer, self.ctx.env.max_turns)
 
 
 SPEC = MethodSpec(

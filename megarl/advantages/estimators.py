@@ -99,7 +99,9 @@ def gae(
     return adv, (adv + values) * mask.to(values.dtype)
 
 
-def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked-in entries (unbiased std), 0 off the mask; exactly 0
+    when they are all equal. x, mask: [T] -> [T]."""
     v = x[mask.bool()]
     if v.numel() == 0 or bool(v.max() == v.min()):
         return torch.zeros_like(x)  # all equal: exactly 0, not ulp noise divided by eps
@@ -125,14 +127,14 @@ def reinforce_pp(
     if kl is not None:
         r = r - kl_coef * kl.double() * m
     ret, _ = gae(r, torch.zeros_like(m), m, batch.cu_seqlens, gamma=gamma, lam=1.0)
-    return _whiten(ret, m)
+    return whiten(ret, m)
 
 
 def reinforce_pp_baseline(batch: PackedBatch) -> torch.Tensor:
     """REINFORCE++-baseline: (R - group mean) on every loss token, whitened over the batch; [T]."""
     m = batch.loss_mask.double()
     adv = broadcast_to_tokens(dr_grpo(scalar_rewards(batch), batch.group_ids), batch.cu_seqlens)
-    return _whiten(adv * m, m)
+    return whiten(adv * m, m)
 
 
 def per_token(batch: PackedBatch, per_seq: torch.Tensor) -> torch.Tensor:

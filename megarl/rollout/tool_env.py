@@ -12,15 +12,13 @@ Tools: ``calculator`` (``{"expression": "..."}``, megarl/rollout/calculator.py).
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.calculator import run_contained
-from megarl.rollout.environments import StepResult, run_episode
+from megarl.rollout.environments import StepResult
 from megarl.rollout.tool_calls import ToolCall, format_tool_response, parse_tool_calls
-from megarl.rollout.workflow import WORKFLOWS, Trajectory, WorkflowContext, episode_trajectory
+from megarl.rollout.workflow import WORKFLOWS, EpisodeWorkflow
 
 
 def _calculator(args: dict) -> str:
@@ -101,26 +99,13 @@ class ToolTask:
         return StepResult(encode_observation(self.tok, obs), 0.0, done, {"tool_calls": self.calls})
 
 
-class ToolWorkflow:
-    """``n`` ``ToolTask`` episodes per prompt, concurrently; episode j samples with seed
-    ``(seed * 31 + j) mod 2**31``."""
+class ToolWorkflow(EpisodeWorkflow):
+    """``n`` ``ToolTask`` episodes per prompt."""
 
-    def __init__(self, ctx: WorkflowContext):
-        self.ctx = ctx
-
-    async def run(
-        self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int, sampling
-    ) -> list:
-        """``n`` episodes of ``prompt``."""
+    def make_env(self, prompt: str, answer: str) -> ToolTask:
+        """A ``ToolTask`` scored against ``answer``."""
         c = self.ctx
-
-        async def one(j: int) -> Trajectory:
-            env = ToolTask(c.tokenizer, prompt, lambda t: c.score(t, answer), c.env.max_turns)
-            sp = dataclasses.replace(sampling, seed=(sampling.seed * 31 + j) % (2**31))
-            ep = await run_episode(engine, env, sp, max_turns=c.env.max_turns, max_len=c.max_len)
-            return episode_trajectory(ep, env)
-
-        return list(await asyncio.gather(*[one(j) for j in range(n)]))
+        return ToolTask(c.tokenizer, prompt, lambda t: c.score(t, answer), c.env.max_turns)
 
 
 WORKFLOWS.add("tools", ToolWorkflow)

@@ -153,28 +153,39 @@ def episode_trajectory(ep: Episode, env: Any) -> Trajectory:
     )
 
 
-class RetryWorkflow:
-    """``n`` ``RetryTask`` episodes per prompt, concurrently; episode j samples with seed
-    ``(seed * 31 + j) mod 2**31``."""
+class EpisodeWorkflow:
+    """``n`` episodes of an environment per prompt, concurrently (episode j samples with seed
+    ``(seed * 31 + j) mod 2**31``); a subclass says which environment with ``make_env``."""
 
     def __init__(self, ctx: WorkflowContext):
         self.ctx = ctx
+
+    def make_env(self, prompt: str, answer: str) -> Any:
+        """A fresh environment for one episode of ``prompt`` (it keeps ``last_text``, what is scored)."""
+        raise NotImplementedError
 
     async def run(
         self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Trajectory]:
         """``n`` episodes of ``prompt``."""
-        c, env_cfg = self.ctx, self.ctx.env
+        c = self.ctx
 
         async def one(j: int) -> Trajectory:
-            env = RetryTask(
-                c.tokenizer, prompt, lambda t: c.score(t, answer), env_cfg.max_turns, env_cfg.feedback
-            )
+            env = self.make_env(prompt, answer)
             sp = dataclasses.replace(sampling, seed=(sampling.seed * 31 + j) % (2**31))
-            ep = await run_episode(engine, env, sp, max_turns=env_cfg.max_turns, max_len=c.max_len)
+            ep = await run_episode(engine, env, sp, max_turns=c.env.max_turns, max_len=c.max_len)
             return episode_trajectory(ep, env)
 
         return list(await asyncio.gather(*[one(j) for j in range(n)]))
+
+
+class RetryWorkflow(EpisodeWorkflow):
+    """``n`` ``RetryTask`` episodes per prompt."""
+
+    def make_env(self, prompt: str, answer: str) -> RetryTask:
+        """A ``RetryTask`` scored against ``answer``."""
+        c = self.ctx
+        return RetryTask(c.tokenizer, prompt, lambda t: c.score(t, answer), c.env.max_turns, c.env.feedback)
 
 
 WORKFLOWS.add("none", SingleTurn)

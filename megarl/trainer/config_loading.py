@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import types
 import typing
 from pathlib import Path
@@ -15,12 +14,10 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from megarl.plugin.knobs import as_float_if_number
 from megarl.trainer.config_checks import validate
 from megarl.trainer.config_migrations import check_removed_sections
 from megarl.trainer.config_sections import LIST_ITEM_TYPES, ConfigError, TrainConfig
-
-# a decimal number as written in YAML or on the command line: 1e-4, -2.5E+3, .5, 10
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
 
 def type_name(tp: Any) -> str:
@@ -64,8 +61,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r} must be an integer")
         return value
     if tp is float:
-        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+        value = as_float_if_number(value, float)  # YAML 1.1 reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r} must be a number")
         return float(value)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megarl.advantages.estimators import monte_carlo_returns
+from megarl.advantages.estimators import monte_carlo_returns, whiten
 from megarl.batch import PackedBatch
 from megarl.methods.critics.privileged import CONTEXT, context_rows, privileged_batch
 from megarl.objectives.api import GlobalNormalisers
@@ -90,16 +90,6 @@ def value_targets(batch: PackedBatch, targets: str, gamma: float = 1.0) -> torch
         raise ValueError(f"inputs.values.targets={targets!r}; known: {', '.join(VALUE_TARGETS)}")
     dtype = batch.values.dtype if batch.values is not None else torch.float32
     return monte_carlo_returns(batch, gamma).to(dtype)
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the loss tokens of the batch (unbiased std); 0 off the mask."""
-    m = mask.bool()
-    v = x[m].double()
-    if v.numel() < 2 or bool(v.max() == v.min()):
-        return torch.zeros_like(x)
-    out = (x.double() - v.mean()) / (v.std() + eps)
-    return (out * m).to(x.dtype)
 
 
 class Critic:
