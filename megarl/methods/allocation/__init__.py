@@ -1,0 +1,5 @@
+"""Method family 6, allocation: which prompts get rollouts and how many (streaming allocators,
+curricula, data selection, rollout acceleration).
+
+Importing this package registers the family's allocators and parts.
+"""

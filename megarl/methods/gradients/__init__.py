@@ -1,0 +1,5 @@
+"""Method family 7, gradient level: per-group gradient information, update projection,
+parameter-space perturbation and the methods built on them.
+
+Importing this package registers the family's parts.
+"""
