@@ -29,6 +29,7 @@ TOKEN_FIELDS: tuple[str, ...] = (
     "old_logprobs",
     "ref_logprobs",
     "teacher_logprobs",
+    "self_teacher_logprobs",
     "advantages",
     "returns",
     "values",
@@ -65,6 +66,7 @@ class PackedBatch:
     old_logprobs: torch.Tensor | None = None  # [T]
     ref_logprobs: torch.Tensor | None = None  # [T]
     teacher_logprobs: torch.Tensor | None = None  # [T]
+    self_teacher_logprobs: torch.Tensor | None = None  # [T] the policy's own, with a privileged context
     advantages: torch.Tensor | None = None  # [T]
     returns: torch.Tensor | None = None  # [T]
     values: torch.Tensor | None = None  # [T]

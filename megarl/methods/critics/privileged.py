@@ -57,14 +57,12 @@ class CriticContext:
         width = self.knobs.max_tokens
         rows, lens = [], []
         for g, answer in enumerate(r.answers):
-            ids = self.tokenizer.encode(self.knobs.template.format(answer=answer), bos=False)
-            if len(ids) > width:
-                raise ValueError(
-                    f"inputs.critic_context: the context of prompt {r.uids[g]} has {len(ids)} tokens, "
-                    f"more than max_tokens={width}"
-                )
-            rows += [[float(t) for t in ids] + [math.nan] * (width - len(ids))] * r.n
-            lens.append(len(ids))
+            text = self.knobs.template.format(answer=answer)
+            row = context_row(
+                self.tokenizer, text, width, f"inputs.{CONTEXT}: the context of prompt {r.uids[g]}"
+            )
+            rows += [row] * r.n
+            lens.append(width - sum(math.isnan(x) for x in row))
         return RoundResult(
             extras={CONTEXT: rows}, metrics={"critic/context_len": sum(lens) / max(len(lens), 1)}
         )
@@ -75,6 +73,15 @@ class CriticContext:
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to restore."""
+
+
+def context_row(tokenizer: Any, text: str, width: int, where: str) -> list[float]:
+    """The token ids of ``text`` (no BOS) as a NaN-padded row of ``width`` floats; an empty text
+    gives an all-NaN row (no context). Longer than ``width``: an error starting with ``where``."""
+    ids = tokenizer.encode(text, bos=False) if text else []
+    if len(ids) > width:
+        raise ValueError(f"{where} has {len(ids)} tokens, more than max_tokens={width}")
+    return [float(t) for t in ids] + [math.nan] * (width - len(ids))
 
 
 def privileged_batch(batch: PackedBatch, context: torch.Tensor) -> tuple[PackedBatch, torch.Tensor]:

@@ -3,3 +3,6 @@ vocabulary, a self-teacher with privileged context), per-group routes and the me
 
 Importing this package registers the family's objective parts and batch-input providers.
 """
+
+from megarl.methods.distillation import routes  # noqa: F401
+from megarl.methods.distillation import self_teacher  # noqa: F401
