@@ -1,0 +1,47 @@
+"""Distillation family over real gloo collectives (two spawned processes as two data-parallel
+ranks): the batch-global quantile gates and the parts that use them give on DP=2 exactly what the
+whole batch gives on one rank. The simulated tier (tests/unit/test_quantile_gates.py and the
+per-method tests) covers the search space; this checks the real transport."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megarl.ops.quantile import global_quantile, top_fraction_mask, top_fraction_threshold
+from megarl.testing.gloo_pool import GlooPool
+
+
+@pytest.fixture(scope="module")
+def gloo2():
+    pool = GlooPool(2)
+    yield pool
+    pool.close()
+
+
+def quantile_entry(rank, group, payload):
+    """GlooPool entry: this rank's share of the values -> (quantile, threshold, mask)."""
+    x, cut, q, frac = payload
+    mine = x[:cut] if rank == 0 else x[cut:]
+    return (
+        global_quantile(mine, q, group),
+        top_fraction_threshold(mine, frac, group),
+        top_fraction_mask(mine, frac, group),
+    )
+
+
+@settings(max_examples=4)
+@given(
+    vals=st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=1, max_size=40),
+    cut=st.integers(0, 40),
+    q=st.floats(0, 1),
+    frac=st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]),
+)
+def test_quantile_gates_dp2_equal_dp1(gloo2, vals, cut, q, frac):
+    x = torch.tensor(vals, dtype=torch.float64)
+    cut = cut % (len(vals) + 1)  # rank 0 may hold nothing or everything
+    outs = gloo2.run("tests.methods.test_distillation_gloo:quantile_entry", (x, cut, q, frac))
+    want = (global_quantile(x, q), top_fraction_threshold(x, frac), top_fraction_mask(x, frac))
+    for o in outs:
+        assert torch.equal(o[0], want[0]) and torch.equal(o[1], want[1])
+    assert torch.equal(torch.cat([outs[0][2], outs[1][2]]), want[2])
