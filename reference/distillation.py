@@ -40,3 +40,129 @@ def hellinger_sq(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor
     """
     lp, lq = torch.log_softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
     return 1 - torch.exp(0.5 * (lp + lq)).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Teacher-shaped advantages: Distilled RL, OPD regulation, RA-OPD, OPDVR / GRPD.
+# Padded [B, L] tensors; ℓ = teacher_logp - old_logp is the sampled-token OPD reward (the negative
+# per-token reverse-KL estimate); mask is the loss mask (0 on padding and masked-out tokens).
+# ----------------------------------------------------------------------------------------------
+
+
+def opd_token_reward(teacher_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """ℓ_t = log π_T(y_t) − log π_old(y_t) on loss tokens, 0 elsewhere.  [B, L] -> [B, L]"""
+    return (teacher_logp - old_logp) * mask
+
+
+def distilled_rl_weights(
+    teacher_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    seq_adv: torch.Tensor,
+    rho_clip: float = 3.0,
+    normalized: bool = True,
+    sample: str = "positive",
+) -> torch.Tensor:
+    """Distilled RL token weights (authors' code, _apply_drl_importance_weight):
+
+      ρ_t = exp(clamp(log π_T − log π_old, −80, 80)),  ρ̄_t = clamp(ρ_t, 1/ε_ρ, ε_ρ)
+      normalized: ρ̃_t = exp(log ρ̄_t − mean over the response's valid tokens of log ρ̄)
+      w_t = ρ̃_t where the token is valid and the response is selected (A_i > 0 for "positive",
+      A_i < 0 for "negative", every response for "all"), else 1.
+    Provenance: Distilled RL (arXiv 2607.17247), code. seq_adv: [B]; others [B, L] -> [B, L]
+    """
+    rho = torch.exp(torch.clamp(teacher_logp - old_logp, -80.0, 80.0))
+    rho = torch.clamp(rho, 1.0 / rho_clip, rho_clip)
+    log_rho = torch.log(rho)
+    if normalized:
+        n = mask.sum(1, keepdim=True).clamp(min=1)
+        log_rho = log_rho - (log_rho * mask).sum(1, keepdim=True) / n
+    w = torch.ones_like(log_rho)
+    for i in range(mask.shape[0]):
+        a = float(seq_adv[i])
+        chosen = {"positive": a > 0, "negative": a < 0, "all": True}[sample]
+        if chosen:
+            w[i] = torch.where(mask[i] > 0, torch.exp(log_rho[i]), torch.ones_like(w[i]))
+    return w
+
+
+def distilled_rl_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    rho_clip: float = 3.0,
+    normalized: bool = True,
+    sample: str = "positive",
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """A*_t = A_i · w_t with A_i the GRPO advantage (the loss is PPO-clip on A*).  -> [B, L]"""
+    from reference.advantages import grpo
+
+    a = grpo(rewards, group_ids, scale_by_std, eps)
+    w = distilled_rl_weights(teacher_logp, old_logp, mask, a, rho_clip, normalized, sample)
+    return a[:, None] * w * mask
+
+
+def opd_regulate(
+    ell: torch.Tensor,
+    clip_low: float = 3.0,
+    clip_high: float = 3.0,
+    scale: float = 1.0,
+    compress: bool = True,
+) -> torch.Tensor:
+    """OPD regulation (reconstructed): log-scale compression f_s(ℓ) = sign(ℓ)·s·log(1 + |ℓ|/s),
+    then clipping to [−clip_low, clip_high]. f is odd, monotone, |f(ℓ)| ≤ |ℓ|, f'(0) = 1; with
+    s → ∞ and the bounds → ∞ the advantage is ℓ (plain OPD).  [B, L] -> [B, L]"""
+    a = torch.sign(ell) * scale * torch.log(1 + ell.abs() / scale) if compress else ell
+    return torch.clamp(a, -clip_low, clip_high)
+
+
+def ra_opd_keep(ell: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """RA-OPD (reconstructed) keep mask: D_i = Σ_t ℓ_{i,t}; keep iff c_i · D_i > 0 with c_i = +1 for a
+    correct trajectory, −1 for an incorrect one.  ell, mask: [B, L]; correct: [B] bool -> [B] bool"""
+    d = (ell * mask).sum(1)
+    c = torch.where(correct, 1.0, -1.0).to(d.dtype)
+    return c * d > 0
+
+
+def ra_opd_advantages(
+    ell: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor, returns_to_go: bool = False
+) -> torch.Tensor:
+    """A_t = m_i · ℓ_t, or m_i · Σ_{u ≥ t, loss tokens} ℓ_u.  The loss divides by Σ_i m_i |y_i|: use
+    ``mask * ra_opd_keep(...)[:, None]`` as the loss mask.  [B, L] -> [B, L]"""
+    a = ell * mask
+    if returns_to_go:
+        a = torch.flip(torch.cumsum(torch.flip(a, [1]), 1), [1]) * mask
+    return a * ra_opd_keep(ell, mask, correct)[:, None].to(a.dtype)
+
+
+def opdvr_rewards(ell: torch.Tensor, correct: torch.Tensor, gate: str = "correctness") -> torch.Tensor:
+    """OPDVR (README): r_t = max(0, ℓ_t) on a correct trajectory, −max(0, −ℓ_t) on an incorrect one,
+    i.e. ℓ_t · 1[sign(ℓ_t) = c_i]; "inverse" keeps the other sides; "off" gives ℓ_t. The advantage is
+    r_t itself (token_reward_direct).  ell: [B, L]; correct: [B] -> [B, L]"""
+    if gate == "off":
+        return ell
+    keep_pos = correct if gate == "correctness" else ~correct
+    pos, neg = torch.relu(ell), -torch.relu(-ell)
+    return torch.where(keep_pos[:, None], pos, neg)
+
+
+def grpd_rewards(
+    ell: torch.Tensor,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    correct: torch.Tensor,
+    gate: str = "correctness",
+    scale_by_std: bool = False,
+    baseline: float = 0.0,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPD (README): the OPDVR reward times |A_i| + u, A_i = R_i − mean_group R (÷ std when
+    scale_by_std).  -> [B, L]"""
+    from reference.advantages import grpo
+
+    a = grpo(rewards, group_ids, scale_by_std, eps)
+    return opdvr_rewards(ell, correct, gate) * (a.abs() + baseline)[:, None]

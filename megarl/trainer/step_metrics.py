@@ -63,14 +63,17 @@ def rollout_metrics(run: Any, ro: Rollouts, rs: dict) -> dict:
 
 def batch_metrics(batch) -> dict:
     """Advantage statistics, the old-vs-rollout logprob gap (a check of the weight sync and of the
-    two forwards) and the old-vs-reference KL."""
-    adv = batch.advantages[batch.loss_mask.bool()]
-    rec = {
-        "adv/mean": float(adv.mean()),
-        "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
-        "adv/abs_max": float(adv.abs().max()),
-    }
+    two forwards) and the old-vs-reference KL. A batch with no loss token left (a method that drops
+    every trajectory of the step) reports advantages of 0 and no logprob statistics."""
     m = batch.loss_mask.bool()
+    adv = batch.advantages[m]
+    rec = {
+        "adv/mean": float(adv.mean()) if adv.numel() else 0.0,
+        "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+        "adv/abs_max": float(adv.abs().max()) if adv.numel() else 0.0,
+    }
+    if not bool(m.any()):
+        return rec
     if batch.old_logprobs is not None:
         rec["rollout/logprob_gap_old"] = float(
             (batch.old_logprobs[m] - batch.rollout_logprobs[m]).abs().mean()

@@ -4,5 +4,11 @@ vocabulary, a self-teacher with privileged context), per-group routes and the me
 Importing this package registers the family's objective parts and batch-input providers.
 """
 
-from megarl.methods.distillation import routes  # noqa: F401
-from megarl.methods.distillation import self_teacher  # noqa: F401
+from megarl.methods.distillation import (
+    distilled_rl,  # noqa: F401
+    opd_regulation,  # noqa: F401
+    opdvr,  # noqa: F401
+    ra_opd,  # noqa: F401
+    routes,  # noqa: F401
+    self_teacher,  # noqa: F401
+)
