@@ -163,6 +163,11 @@ def check_signal(name: str, r: dict) -> None:
             "bypass": "train/bypass_reinforce/is_weight",
             "remax": "remax/baseline_mean",
             "otb": "otb/sum_pi_sq_mean",
+            "distilled-rl": "distilled_rl/shaped_frac",  # the teacher reached the estimator
+            "opd-regulation": "opd_regulation/reward_mean",
+            "ra-opd": "ra_opd/kept_frac",
+            "opdvr": "opdvr/zeroed_frac",
+            "grpd": "grpd/zeroed_frac",
         }.get(name)
         if key is not None:
             assert len(_any(r, key)) == STEPS, sorted(r["steps"][-1])
