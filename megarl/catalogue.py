@@ -65,6 +65,7 @@ METHODS: dict[str, str] = {
     "distilled_rl": "megarl.methods.distillation.distilled_rl:SPEC",
     "opd_regulation": "megarl.methods.distillation.opd_regulation:SPEC",
     "ra_opd": "megarl.methods.distillation.ra_opd:SPEC",
+    "rstg": "megarl.methods.distillation.rstg:SPEC",
     "opdvr": "megarl.methods.distillation.opdvr:OPDVR",
     "grpd": "megarl.methods.distillation.opdvr:GRPD",
 }

@@ -166,3 +166,89 @@ def grpd_rewards(
 
     a = grpo(rewards, group_ids, scale_by_std, eps)
     return opdvr_rewards(ell, correct, gate) * (a.abs() + baseline)[:, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Teacher guidance where GRPO has no signal: RSTG. Reconstructed from the abstract (no public
+# code): the negative zero-variance selection, the teacher-confidence weight, the token gate and
+# the SFT term follow its description; the normaliser (the objective's aggregation for every term)
+# is this repository's choice. Padded [B, L] tensors; per-sequence tensors [B].
+# ----------------------------------------------------------------------------------------------
+
+
+def top_fraction_threshold(values: torch.Tensor, frac: float) -> torch.Tensor:
+    """k-th largest of the 1-D ``values``, k = ceil(frac·N); +inf when k = 0 (nothing kept)."""
+    k = min(values.numel(), max(0, int(torch.ceil(torch.tensor(frac * values.numel() - 1e-9)))))
+    if k == 0:
+        return torch.tensor(float("inf"), dtype=torch.float64)
+    return torch.sort(values.double(), descending=True).values[k - 1]
+
+
+def rstg_nzv(rewards: torch.Tensor, group_ids: torch.Tensor, student: torch.Tensor, threshold: float):
+    """[B] bool: the group has student samples and none is correct (reward > threshold)."""
+    out = torch.zeros(rewards.shape[0], dtype=torch.bool)
+    for g in group_ids.unique():
+        members = group_ids == g
+        s = members & student
+        out[members] = bool(s.any()) and not bool((rewards[s] > threshold).any())
+    return out
+
+
+def rstg_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """GRPO advantages over the student samples only, 0 on teacher solutions.  [B] -> [B]"""
+    from reference.advantages import grpo
+
+    adv = torch.zeros_like(rewards, dtype=torch.float64)
+    if bool(student.any()):
+        adv[student] = grpo(rewards[student].double(), group_ids[student])
+    return adv
+
+
+def rstg_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    entropies: torch.Tensor,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    teacher_solution: torch.Tensor,
+    alpha: float = 1.0,
+    gamma: float = 1.0,
+    rho_entropy: float = 0.2,
+    rho_divergence: float = 0.2,
+    correct_threshold: float = 0.5,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+) -> torch.Tensor:
+    """RSTG [reconstructed]: L = agg( PPO-clip(A)·[student]
+                                  + α c_i M_t (−sg(ℓ_t) exp(logp − sg old))
+                                  − γ [correct teacher solution of an NZV group] logp ).
+
+    NZV: groups whose student samples are all wrong. c_i = exp(mean_t log π_T) on NZV student
+    samples (0 elsewhere). ℓ_t = log π_T − log π_old. M_t = H_t ≥ θ_H or |ℓ_t| ≥ θ_D, θ the k-th
+    largest over the loss tokens of every NZV student sample, k = ceil(ρ·N).
+    logp, old_logp, adv, mask, teacher_logp, entropies: [B, L]; rewards, group_ids, teacher_solution: [B].
+    """
+    from reference.aggregation import aggregate
+    from reference.policy_losses import ppo_clip
+
+    student = ~teacher_solution.bool()
+    correct = rewards > correct_threshold
+    nzv = rstg_nzv(rewards, group_ids, student, correct_threshold)
+    n = mask.sum(1)
+    conf = torch.exp((teacher_logp.double() * mask).sum(1) / n.clamp(min=1))
+    weight = torch.where(nzv & student & (n > 0), conf, torch.zeros_like(conf))
+    sft = (nzv & ~student & correct).to(logp.dtype)
+    pool = (mask > 0) & (weight > 0)[:, None]
+    div = (teacher_logp - old_logp).abs()
+    gate = (entropies >= top_fraction_threshold(entropies[pool], rho_entropy)) | (
+        div >= top_fraction_threshold(div[pool], rho_divergence)
+    )
+    pg = ppo_clip(logp, old_logp, adv, clip_low, clip_high, dual_clip) * student[:, None]
+    opd = -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach())
+    tok = pg + alpha * weight[:, None].to(logp.dtype) * gate * opd - gamma * sft[:, None] * logp
+    return aggregate(tok, mask, aggregation)

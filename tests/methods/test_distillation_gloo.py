@@ -8,8 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megarl.methods.distillation import rstg
 from megarl.ops.quantile import global_quantile, top_fraction_mask, top_fraction_threshold
 from megarl.testing.gloo_pool import GlooPool
+from tests.methods.test_rstg import _batch
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +47,26 @@ def test_quantile_gates_dp2_equal_dp1(gloo2, vals, cut, q, frac):
     for o in outs:
         assert torch.equal(o[0], want[0]) and torch.equal(o[1], want[1])
     assert torch.equal(torch.cat([outs[0][2], outs[1][2]]), want[2])
+
+
+def rstg_entry(rank, group, payload):
+    """GlooPool entry: RSTG's prepare on this rank's share of whole groups -> its extras."""
+    b, cut, knobs = payload
+    share = b.select(range(cut) if rank == 0 else range(cut, b.num_seqs))
+    return rstg.prepare(share, group, **knobs).extras
+
+
+@settings(max_examples=3)
+@given(
+    seed=st.integers(0, 1000),
+    cut=st.sampled_from([0, 2, 4, 6]),
+    rho=st.sampled_from([0.1, 0.3, 0.6]),
+    rewards=st.lists(st.sampled_from([0.0, 1.0]), min_size=6, max_size=6),
+)
+def test_rstg_prepare_dp2_equals_dp1(gloo2, seed, cut, rho, rewards):
+    b, _ = _batch(rewards, [0, 0, 1, 1, 2, 2], seed=seed)
+    knobs = {"rho_entropy": rho, "rho_divergence": rho / 2}
+    outs = gloo2.run("tests.methods.test_distillation_gloo:rstg_entry", (b, cut, knobs))
+    want = rstg.prepare(b, None, **knobs).extras
+    for k, v in want.items():
+        assert torch.equal(torch.cat([outs[0][k], outs[1][k]]), v), k

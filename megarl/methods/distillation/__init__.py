@@ -10,5 +10,6 @@ from megarl.methods.distillation import (
     opdvr,  # noqa: F401
     ra_opd,  # noqa: F401
     routes,  # noqa: F401
+    rstg,  # noqa: F401
     self_teacher,  # noqa: F401
 )
