@@ -4,7 +4,8 @@
   behaviour policy's logprobs when ``schedule.old_logprobs: recompute``; its full-vocab entropy);
 - ``ref_logprobs`` [T]: a frozen reference learner holding the initial policy (KL terms);
 - ``teacher_logprobs`` [T]: a forward-only teacher learner (``teacher.hf_dir``; on-policy
-  distillation), its own architecture, the policy's vocabulary;
+  distillation), its own architecture, the policy's vocabulary; or, with ``teacher.source:
+  engine``, a rollout engine serving the teacher (megarl/plugin/engine_teacher.py);
 - ``reward_dims``: ``rewards`` [B, K] with ``reward_names`` (the named reward dimensions).
 """
 
@@ -75,7 +76,11 @@ def _reference(ctx: Any, names: frozenset) -> FrozenPass:
     return FrozenPass(ctx.make_learner(ctx.hf_config, ctx.init_dir, trainable=False), "ref_logprobs")
 
 
-def _teacher(ctx: Any, names: frozenset) -> FrozenPass:
+def _teacher(ctx: Any, names: frozenset) -> Any:
+    if ctx.cfg.teacher.source == "engine":  # served by a rollout engine (megarl/plugin/engine_teacher.py)
+        from megarl.plugin.engine_teacher import build_engine_teacher
+
+        return build_engine_teacher(ctx)
     hf = teacher_hf_config(ctx.cfg, ctx.hf_config)
     return FrozenPass(ctx.make_learner(hf, ctx.cfg.teacher.hf_dir, trainable=False), "teacher_logprobs")
 
@@ -111,7 +116,10 @@ register_provider(
 )
 register_provider(
     InputProvider(
-        ("teacher_logprobs",), "learner", _teacher, summary="a forward-only teacher learner (teacher.hf_dir)"
+        ("teacher_logprobs",),
+        "learner",
+        _teacher,
+        summary="a forward-only teacher learner (teacher.hf_dir) or a teacher engine (teacher.source)",
     )
 )
 register_provider(

@@ -152,6 +152,25 @@ class EmbeddedEngine(RolloutEngine):
             prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name, request_id=req.request_id
         )
 
+    async def _score(self, ids: list[int], top_k: int):
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"{self.name}: engine is down ({self.dead_reason})")
+        return await asyncio.to_thread(self._score_sync, ids, top_k)
+
+    @torch.no_grad()
+    def _score_sync(self, ids: list[int], top_k: int):
+        from megarl.rollout.scoring import TokenScores
+
+        with self._lock:
+            logits = self.model(input_ids=torch.tensor([ids], dtype=torch.long)).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)  # row i scores ids[i + 1]
+        lp = logp.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+        out = TokenScores(logprobs=[0.0, *lp.tolist()])
+        if top_k:
+            v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+            out.top_ids, out.top_logprobs = [[], *i.tolist()], [[], *v.tolist()]
+        return out
+
     @torch.no_grad()
     def _generate_sync(self, req: GenerateRequest, abort: threading.Event) -> list[Sample]:
         sp, n = req.sampling, req.n

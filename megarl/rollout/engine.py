@@ -133,6 +133,27 @@ class RolloutEngine(abc.ABC):
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
         """Engine-specific generation of one validated request."""
 
+    async def score_tokens(self, token_ids: Sequence[int], top_k: int = 0):
+        """Teacher-forced scores of ``token_ids`` (a ``megarl.rollout.scoring.TokenScores``): the
+        logprob of every token given its prefix and, with ``top_k`` > 0, the K best alternatives
+        per position. Waits for a slot like ``generate``; engines that cannot score refuse."""
+        if top_k < 0:
+            raise BadRequestError(f"{self.name}: top_k must be >= 0, got {top_k}")
+        ids = validate_prompt_ids(token_ids, self.vocab_size, self.name, self.max_model_len, 1)
+        self._waiting += 1
+        try:
+            await self._not_paused.wait()
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            return await self._score(ids, top_k)
+        finally:
+            self._slots.release()
+
+    async def _score(self, ids: list[int], top_k: int):
+        raise BadRequestError(f"{self.name}: this engine cannot score given tokens (score_tokens)")
+
     # ----------------------------------------------------------------------------- control
     async def abort(self, request_id: str | None = None) -> int:
         """Abort one in-flight request (or all with ``None``); their callers get finish_reason "abort".

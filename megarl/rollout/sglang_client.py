@@ -179,6 +179,12 @@ class SGLangEngine(HttpEngine):
             prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name, request_id=req.request_id
         )
 
+    async def _score(self, ids: list[int], top_k: int):
+        from megarl.rollout.scoring import parse_sglang_scores, sglang_score_body
+
+        body = await self.request("POST", "/generate", json_body=sglang_score_body(ids, top_k))
+        return parse_sglang_scores(self.name, body, ids, top_k)
+
     # ----------------------------------------------------------------------------- control
     async def update_weights(
         self,

@@ -127,6 +127,14 @@ class VLLMEngine(HttpEngine):
             prompt_ids=list(req.prompt_ids), samples=samples, engine=self.name, request_id=req.request_id
         )
 
+    async def _score(self, ids: list[int], top_k: int):
+        from megarl.rollout.scoring import parse_vllm_scores, vllm_score_body
+
+        body = await self.request(
+            "POST", "/v1/completions", json_body=vllm_score_body(self.model, ids, top_k)
+        )
+        return parse_vllm_scores(self.name, body, ids, top_k)
+
     async def update_weights(self, weights_dir: str | os.PathLike, version: str | None = None) -> None:
         """Reload all weights from ``weights_dir`` while serving; in-flight requests finish first.
 

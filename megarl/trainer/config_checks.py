@@ -112,6 +112,7 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"environment.name={cfg.environment.name!r}; allowed: {', '.join(WORKFLOWS.names())}"
         )
+    _check_teacher(cfg.teacher)
     d = cfg.objective.distill
     if d in ("forward_kl", "reverse_kl"):
         raise ConfigError(
@@ -131,6 +132,16 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
         method_knobs(cfg, spec)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_teacher(t) -> None:
+    """An engine-served teacher names its servers (``teacher.urls``) or, embedded, its checkpoint."""
+    if t.source != "engine":
+        return
+    if t.engine == "embedded" and not t.hf_dir:
+        raise ConfigError("teacher.engine=embedded needs teacher.hf_dir (the teacher's HF checkpoint)")
+    if t.engine != "embedded" and not t.urls:
+        raise ConfigError(f"teacher.source=engine with teacher.engine={t.engine} needs teacher.urls")
 
 
 def method_of(cfg: TrainConfig):

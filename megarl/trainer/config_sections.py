@@ -143,11 +143,20 @@ class AdvantageConfig:
 
 @dataclass
 class TeacherConfig:
-    """The teacher of on-policy distillation (``objective.distill: sampled_reverse_kl``): a HF
-    checkpoint sharing the policy's vocabulary, run forward-only beside the learner; its logprobs of
-    the sampled tokens fill ``batch.teacher_logprobs``."""
+    """The teacher of on-policy distillation (``objective.distill``); its logprobs of the sampled
+    tokens fill ``batch.teacher_logprobs`` (docs/distillation.md). ``source: megatron``: the HF
+    checkpoint ``hf_dir`` (sharing the policy's vocabulary) run forward-only beside the learner
+    under the run's layout. ``source: engine``: a rollout engine serving the teacher scores the
+    student's tokens (``engine: vllm`` / ``sglang`` servers at ``urls``, keys from ``key_file``;
+    ``embedded``: ``hf_dir`` in rank 0's process)."""
 
     hf_dir: str | None = None  # the teacher's HF checkpoint directory (config.json + safetensors)
+    source: Literal["megatron", "engine"] = "megatron"  # who computes the teacher's logprobs
+    engine: Literal["vllm", "sglang", "embedded"] = "vllm"  # source: engine
+    urls: list = field(default_factory=list)  # source: engine, vllm/sglang: the teacher's servers
+    model: str = "teacher"  # vLLM's --served-model-name of the teacher
+    key_file: str | None = None  # JSON {"api_key", "admin_key"} of the teacher's servers (mode 0600)
+    max_concurrency: int = 16  # scoring requests in flight per teacher server
 
 
 @dataclass

@@ -75,6 +75,28 @@ def test_logprobs_agree_with_learner_recomputation(vllm_server, tiny_models):
     assert max(diffs) < LOGPROB_ATOL
 
 
+def test_engine_teacher_equals_megatron_teacher(vllm_server, tiny_models):
+    """teacher.source: engine on a real vLLM server: prompt_logprobs of the student's tokens equal
+    the forward-only Megatron teacher's on the same weights (both fp32, TP 1); the top-K ids agree."""
+    from megarl.plugin.engine_teacher import EngineTeacherPass
+    from tests.methods.teacher_cases import megatron_teacher_logprobs, student_batch
+
+    batch = student_batch(1024, PROMPT)
+    want = megatron_teacher_logprobs(tiny_models["v1"], batch)
+    p = EngineTeacherPass([vllm_server.client(), vllm_server.client()])
+    p.fill(batch, 1)
+    diff = float((batch.teacher_logprobs - want).abs().max())
+    top = p.loop.run_until_complete(p.engines[0].score_tokens(PROMPT, top_k=3))
+    p.close()
+    print(f"vLLM (fp32) engine teacher vs Megatron (fp32) teacher: max |diff| = {diff:.2e}")
+    assert diff < LOGPROB_ATOL
+    model = load_hf(str(tiny_models["v1"]), "float32")
+    with torch.no_grad():
+        ref = torch.log_softmax(model(input_ids=torch.tensor([PROMPT])).logits[0, :-1].float(), -1)
+    assert top.top_ids[1:] == ref.topk(3, -1).indices.tolist()
+    assert (torch.tensor(top.top_logprobs[1:]) - ref.topk(3, -1).values).abs().max() < LOGPROB_ATOL
+
+
 def test_stop_token_is_included_and_reported(vllm_server, tiny_models):
     greedy = hf_greedy(str(tiny_models["v1"]), PROMPT, 8)
     stop = greedy[2]

@@ -18,10 +18,14 @@ Per example, rank 0 prints (and appends to ``--out``) one JSON line: the metrics
 the largest parameter change (max over ranks), the method's checkpoint state after a save/load
 round trip, and ``error`` when the example failed (the loop goes on with the next one).
 
-The distillation example's teacher is the policy's architecture with other random weights
-(written once by ``_setup``). The smoke base adds one reward dimension to the quickstart's exact
-match (``format``: the response is digits only, weight 0.5), so that two steps of a barely warmed-up
-model see non-zero advantages; examples with their own ``reward.functions`` keep theirs.
+The distillation examples' teacher is trained once per session (``_setup``:
+megarl.testing.teacher.fit_teacher, a short supervised fit on the training answers) in the MoE
+quickstart's architecture (a Mixture-of-Experts teacher for the dense student too). Its held-out
+answer NLL and the initial policy's go into every result line (``teacher``), so the test can check
+that the teacher knows the task better than its student.
+The smoke base adds one reward dimension to the quickstart's exact match (``format``: the response
+is digits only, weight 0.5), so that two steps of a barely warmed-up model see non-zero
+advantages; examples with their own ``reward.functions`` keep theirs.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ QUICKSTART = {
 
 # Examples the trainer cannot run yet, with the reason (the pytest side reports them as skipped).
 UNSUPPORTED: dict[str, str] = {}
+
+TEACHER_STEPS = 40  # SFT steps of the session's teacher (the student's warm-up has 6)
 
 FORMAT_REWARD = {"name": "format", "kind": "regex", "pattern": r"^\d+$", "weight": 0.5}
 
@@ -204,26 +210,34 @@ def _setup(run, model: str) -> Path:
         run.run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     run_warmup(run, init_dir)
-    _write_teacher(run, Path(cfg.teacher.hf_dir))
+    run.teacher_info = _fit_teacher(run, model, Path(cfg.teacher.hf_dir), init_dir)
     dist.barrier()
     run.build_engine()
     return init_dir
 
 
-def _write_teacher(run, out: Path) -> None:
-    """A teacher for the distillation example: the policy's architecture with other random weights
-    (model.seed + 1), written in megarl's HF export format (collective)."""
-    from megarl.convert.hf_megatron import save_hf_checkpoint
-    from megarl.learner.factory import build_learner
+def _teacher_hf(run, model: str) -> dict:
+    """The teacher's architecture: the MoE quickstart's model, with the policy's vocabulary and
+    special token ids (a MoE teacher for the dense student; the MoE run's EP=2 layout cannot hold a
+    dense model, whose learner refuses expert parallelism)."""
+    from megarl.trainer.config_layers import read_layered_config
 
-    if out.is_dir():
-        return
-    c = run.cfg
-    ln = build_learner(
-        run.hf, run.groups, c.optimizer, c.model.params_dtype, c.model.seed + 1, trainable=False
-    )
-    save_hf_checkpoint(ln.model, run.groups, out, hf_config=run.hf)
-    del ln
+    other = read_layered_config(QUICKSTART["moe"])["model"]["hf_config"]
+    keep = ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")
+    return {**other, **{k: run.hf[k] for k in keep if k in run.hf}}
+
+
+def _fit_teacher(run, model: str, out: Path, init_dir: Path) -> dict:
+    """A trained teacher (megarl.testing.teacher.fit_teacher), once per session (collective);
+    returns its held-out answer NLL beside the initial policy's."""
+    from megarl.testing.teacher import answer_nll, fit_teacher
+
+    info = fit_teacher(run, out, _teacher_hf(run, model), steps=TEACHER_STEPS)
+    student = run.make_learner(run.hf, trainable=False)
+    student.load_hf(str(init_dir))
+    info["student_eval_nll"] = answer_nll(student, run.tok, list(run.eval_ds.rows))
+    del student
+    return info
 
 
 def run_example(run, name: str, cfg, init_dir: Path, steps: int) -> dict:
@@ -301,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(res), flush=True)
                     raise
         res["wall_s"] = time.time() - t0
+        res["teacher"] = run.teacher_info
         if rank0:
             line = json.dumps(res)
             print("SMOKE " + line, flush=True)

@@ -125,9 +125,11 @@ def check_signal(name: str, r: dict) -> None:
         assert st["method"].get("rrpo") == ["head"]
     elif name == "cokl":
         assert len(_any(r, "train/reg/cokl")) == STEPS
-    elif name == "core-onpolicy-distill":
-        d = _any(r, "train/distill")  # teacher logprobs from the forward-only teacher learner
+    elif name in ("core-onpolicy-distill", "core-onpolicy-distill-engine"):
+        d = _any(r, "train/distill")  # teacher logprobs from the Megatron teacher / the teacher engine
         assert len(d) == STEPS and any(x != 0 for x in d), d
+        t = r["teacher"]  # a trained teacher (MoE), not random weights: it knows the task
+        assert t["eval_nll"] < 0.5 * t["student_eval_nll"], t
     elif name == "bounded-advantages":  # the plugin: its step hook ran and its state is checkpointed
         assert len(_any(r, "bounded/clipped_frac")) == STEPS and st["method"]["step_hooks"] == [
             ["clipped_total"]
@@ -195,3 +197,14 @@ def test_example_runs_in_the_trainer(name, model, tmp_path_factory):
         assert s["train/update_successful"] == 1.0 and s["train/optimizer_steps"] == 2  # 2 mini-batches
     assert r["param_change"] > 0, "the weights did not move"
     check_signal(name, r)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_engine_teacher_gives_the_megatron_teachers_loss(model, tmp_path_factory):
+    """Same rollouts (same seeds, same initial policy), same trained teacher: the first step's
+    distillation loss with teacher.source: engine (embedded HF teacher) equals the Megatron teacher's."""
+    res = results(model, tmp_path_factory.getbasetemp())
+    a, b = res.get("core-onpolicy-distill"), res.get("core-onpolicy-distill-engine")
+    assert a and b and "error" not in a and "error" not in b, res["__run__"]["tail"]
+    da, db = a["steps"][0]["train/distill"], b["steps"][0]["train/distill"]
+    assert abs(da - db) < 1e-4 * max(1.0, abs(da)), (da, db)

@@ -1,0 +1,92 @@
+"""``teacher.source: engine``: the teacher's logprobs of the batch's tokens from a rollout engine
+that serves the teacher (vLLM ``prompt_logprobs``, SGLang input logprobs, or the embedded engine on
+``teacher.hf_dir``), instead of a forward-only Megatron teacher beside the learner.
+
+Rank 0 sends every sequence of the batch (prompt + response token ids, exactly the student's
+tokens) to the teacher's servers, spread round-robin over ``teacher.urls``, and broadcasts the
+``[T]`` logprobs to every rank (every rank holds the same whole batch when learner inputs are
+filled). No teacher weights live in the learner's memory: the teacher may be any model the engine
+serves with the policy's vocabulary (a large MoE served with its own parallelism, for instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.batch import PackedBatch
+
+
+def teacher_engines(t: Any) -> list:
+    """The engines of the ``teacher`` section ``t`` (rank 0 only): one client per ``t.urls`` entry
+    (vLLM or SGLang, with the keys of ``t.key_file`` when set), or the embedded engine on
+    ``t.hf_dir``."""
+    if t.engine == "embedded":
+        from megarl.rollout.embedded import EmbeddedEngine
+
+        return [EmbeddedEngine.from_pretrained(t.hf_dir, name="teacher-embedded")]
+    from megarl.rollout.keys import RolloutKeys
+
+    kw: dict[str, Any] = {"max_concurrency": t.max_concurrency}
+    if t.key_file:
+        keys = RolloutKeys.read(t.key_file)
+        kw.update(api_key=keys.api_key, admin_key=keys.admin_key)
+    if t.engine == "vllm":
+        from megarl.rollout.vllm_client import VLLMEngine
+
+        return [VLLMEngine(u, t.model, name=f"teacher-vllm@{u}", **kw) for u in t.urls]
+    from megarl.rollout.sglang_client import SGLangEngine
+
+    return [SGLangEngine(u, name=f"teacher-sglang@{u}", **kw) for u in t.urls]
+
+
+async def score_sequences(engines: list, seqs: list[list[int]], top_k: int = 0) -> list:
+    """``TokenScores`` of every sequence, sequence ``i`` on engine ``i % len(engines)`` (each
+    engine bounds its own requests in flight)."""
+    return await asyncio.gather(
+        *(engines[i % len(engines)].score_tokens(s, top_k) for i, s in enumerate(seqs))
+    )
+
+
+class EngineTeacherPass:
+    """Fills ``teacher_logprobs`` [T] from engines serving the teacher (rank 0 asks, all receive).
+
+    ``engines``: rank 0's teacher engines (None on the other ranks); ``device``: where the
+    broadcast runs (the process group's device: cuda under NCCL)."""
+
+    def __init__(self, engines: list | None, device: Any = "cpu"):
+        self.engines, self.device = engines, device
+        self.loop = asyncio.new_event_loop() if engines else None
+
+    def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
+        """In place (collective over the world)."""
+        lp = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        if self.engines:
+            cu = batch.cu_seqlens.tolist()
+            toks = batch.tokens.tolist()
+            seqs = [toks[a:b] for a, b in itertools.pairwise(cu)]
+            scores = self.loop.run_until_complete(score_sequences(self.engines, seqs))
+            lp = torch.tensor([x for s in scores for x in s.logprobs], dtype=torch.float32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            lp = lp.to(self.device)
+            dist.broadcast(lp, src=0)
+        batch.teacher_logprobs = lp.cpu()
+        return {}
+
+    def close(self) -> None:
+        """Close the clients and the private event loop (rank 0)."""
+        if self.engines:
+            for e in self.engines:
+                self.loop.run_until_complete(e.close())
+            self.loop.close()
+            self.engines = None
+
+
+def build_engine_teacher(ctx: Any) -> EngineTeacherPass:
+    """The pass for ``ctx.cfg.teacher`` (``source: engine``); engines are made on rank 0 only."""
+    device = ctx.groups.device if ctx.groups is not None else "cpu"
+    return EngineTeacherPass(teacher_engines(ctx.cfg.teacher) if ctx.rank0 else None, device)
