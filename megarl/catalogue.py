@@ -62,6 +62,7 @@ METHODS: dict[str, str] = {
     "cedar": "megarl.rewards.shaping.cedar:SPEC",
     "reward_floor": "megarl.rewards.shaping.reward_floor:SPEC",
     "rubric_dropout": "megarl.rewards.shaping.rubric_dropout:SPEC",
+    "gupo": "megarl.methods.gradients.gupo:SPEC",
     "distilled_rl": "megarl.methods.distillation.distilled_rl:SPEC",
     "opd_regulation": "megarl.methods.distillation.opd_regulation:SPEC",
     "ra_opd": "megarl.methods.distillation.ra_opd:SPEC",

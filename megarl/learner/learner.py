@@ -32,7 +32,7 @@ from megarl.learner.forward import align_logits, packed_inputs, run_model, unwra
 from megarl.learner.model import build_gpt_model, load_hf_config
 from megarl.learner.optim_config import OptimConfig
 from megarl.learner.parallel import ParallelGroups
-from megarl.objectives.api import GlobalNormalisers, LossContext, Objective
+from megarl.objectives.api import GlobalNormalisers, LossContext, Objective, micro_batch_context
 
 
 @dataclass
@@ -269,6 +269,26 @@ class Learner:
         return lp.cpu(), (ent.cpu() if with_entropy else None)
 
     @torch.no_grad()
+    def compute_logits(self, batch: PackedBatch, num_micro_batches: int = 1) -> torch.Tensor | None:
+        """This rank's vocab shard of the aligned logits ``[T, V/tp]`` of ``batch`` (``logits[t]``
+        scored ``tokens[t]``; rows of first tokens are the model's, unused), on the last pipeline
+        stage; None on the other stages. They stay on the learner's device."""
+        self.ddp.eval()
+        micro = batch.split(num_micro_batches)
+
+        def loss_func(mb: PackedBatch, logits: torch.Tensor):
+            aligned = align_logits(logits, mb.cu_seqlens)
+            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logits": aligned}
+
+        try:
+            out = self._run_schedule(micro, loss_func, forward_only=True)
+        finally:
+            self.ddp.train()
+        if not self.groups.is_last_stage:
+            return None
+        return torch.cat([d["logits"] for d in out])
+
+    @torch.no_grad()
     def record_routes(self, batch: PackedBatch, num_micro_batches: int = 1) -> torch.Tensor:
         """R3 recording: the experts every token is routed to under the current weights,
         ``[T, n_moe_layers, topk]`` int64 on every rank (store it as ``batch.routed_experts``).
@@ -297,6 +317,49 @@ class Learner:
         )
 
     # ------------------------------------------------------------------------- training
+    def backward_pass(
+        self,
+        batch: PackedBatch,
+        objective: Objective,
+        num_micro_batches: int = 1,
+        normalisers: GlobalNormalisers | None = None,
+        aux_losses: bool = False,
+    ) -> None:
+        """Forward and backward of ``objective`` on this rank's ``batch`` without an optimizer step,
+        for parts that observe the backward (e.g. per-sequence gradient sketches from module hooks).
+
+        Gradients land unscaled and unreduced (no data-parallel reduction) in the gradient buffers;
+        the next ``train_step`` zeroes them. ``aux_losses=False`` switches MoE auxiliary and z-losses
+        off for the pass, so every gradient comes from the objective alone.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("backward_pass on a forward-only learner (LearnerConfig.trainable=False)")
+        g = self.groups
+        norms = normalisers or GlobalNormalisers.from_batch(batch, g.dp if g.dp_size > 1 else None)
+        ctx = LossContext(
+            normalisers=norms,
+            tp_group=g.tp if g.layout.tp > 1 else None,
+            chunk_tokens=self.cfg.chunk_tokens,
+            step=self.step,
+        )
+
+        def loss_func(mb: PackedBatch, logits: torch.Tensor):
+            res = objective(align_logits(logits, mb.cu_seqlens), mb, ctx)
+            return res.loss, torch.tensor(1, dtype=torch.int), {}
+
+        saved = (self.config.finalize_model_grads_func, self.config.moe_aux_loss_coeff)
+        saved_z = self.config.moe_z_loss_coeff
+        self.config.finalize_model_grads_func = None
+        if not aux_losses:
+            self.config.moe_aux_loss_coeff, self.config.moe_z_loss_coeff = 0.0, None
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        try:
+            self._run_schedule(batch.split(num_micro_batches), loss_func, forward_only=False)
+        finally:
+            self.config.finalize_model_grads_func, self.config.moe_aux_loss_coeff = saved
+            self.config.moe_z_loss_coeff = saved_z
+
     def train_step(
         self,
         batch: PackedBatch,
@@ -330,7 +393,7 @@ class Learner:
 
         def loss_func(mb: PackedBatch, logits: torch.Tensor):
             aligned = align_logits(logits, mb.cu_seqlens)
-            res = objective(aligned, mb, ctx)
+            res = objective(aligned, mb, micro_batch_context(ctx, mb, aligned.device))
             reported = {"loss": res.loss.detach().reshape(()).float()}
             for k, v in res.metrics.items():
                 reported[k] = torch.as_tensor(v).detach().reshape(()).float()

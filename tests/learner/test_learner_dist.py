@@ -66,6 +66,10 @@ CASES_2 = [
     "critic:dense:pp2",
     "critic:moe:tp2sp",
     "critic:moe:ep2",
+    "gupo:dense:tp1",
+    "gupo:dense:tp2:2",
+    "gupo:dense:tp2sp",
+    "gupo:moe:ep2",
 ]
 # 4 processes on CI's 2 cores: kept short. (expert_tp > 1 together with ep > 1 cannot run on gloo:
 # megatron's alltoall dispatcher all-gathers unequal token counts over the expert-TP group.)

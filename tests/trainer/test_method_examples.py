@@ -146,6 +146,10 @@ def check_signal(name: str, r: dict) -> None:
         assert st["method"]["step_hooks"] == [[]], st
         if name == "bpco-privileged":  # the critic read the answers (3 digits) after each prompt
             assert _any(r, "critic/context_len") == [3.0] * STEPS and "CriticContext" in st["method"], st
+    elif name == "gupo":  # the sketch pass weighted the groups every step (mean 1: min <= 1 <= max)
+        lo, hi = _any(r, "gupo/weight_min"), _any(r, "gupo/weight_max")
+        assert len(lo) == STEPS and all(a <= 1 + 1e-9 <= b + 2e-9 for a, b in zip(lo, hi)), (lo, hi)
+        assert st["method"]["step_hooks"] == [[]], st  # stateless: the projections come from the seed
     elif name in ("core-grpo", "core-reinforce-pp-baseline"):
         assert len(_any(r, "train/kl")) == STEPS  # the frozen reference learner was built
     elif name == "clip-cov":  # the draw counter of the covariance selection is checkpointed

@@ -3,3 +3,5 @@ parameter-space perturbation and the methods built on them.
 
 Importing this package registers the family's parts.
 """
+
+from megarl.methods.gradients import gupo  # noqa: F401
