@@ -62,6 +62,8 @@ METHODS: dict[str, str] = {
     "cedar": "megarl.rewards.shaping.cedar:SPEC",
     "reward_floor": "megarl.rewards.shaping.reward_floor:SPEC",
     "rubric_dropout": "megarl.rewards.shaping.rubric_dropout:SPEC",
+    "es": "megarl.methods.gradients.es:SPEC",
+    "3po": "megarl.methods.gradients.three_po:SPEC",
     "gupo": "megarl.methods.gradients.gupo:SPEC",
     "distilled_rl": "megarl.methods.distillation.distilled_rl:SPEC",
     "opd_regulation": "megarl.methods.distillation.opd_regulation:SPEC",

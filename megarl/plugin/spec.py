@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -34,6 +35,16 @@ class PolicyGate(Protocol):
     steps; every hook's ``before_train`` and ``after_step`` (with empty metrics) still run."""
 
     def updates_policy(self, step: int) -> bool: ...
+
+
+@runtime_checkable
+class RolloutWeights(Protocol):
+    """A step hook that changes the weights the rollout engine gets (parameter-space exploration):
+    every weight sync of policy ``version`` runs inside ``rollout_weights(version)`` on every rank,
+    a context that may change the learner's weights in place and must restore them exactly on exit
+    (the optimizer and checkpoints only ever see the unchanged weights)."""
+
+    def rollout_weights(self, version: int) -> AbstractContextManager: ...
 
 
 @runtime_checkable

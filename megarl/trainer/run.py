@@ -214,7 +214,19 @@ class Run:
             groups=getattr(self, "groups", None),
             dp_share=self.dp_share,
             dp_group=self.dp_group() if hasattr(self, "groups") else None,
+            push_weights=self.push_weights,
+            run_coroutine=self.run_coroutine,
         )
+
+    def run_coroutine(self, coro: Any) -> Any:
+        """``coro`` run to completion on the engine's event loop."""
+        return self.loop.run_until_complete(coro)
+
+    def push_weights(self, label: str) -> None:
+        """The learner's current weights -> rank 0's engine as version ``label`` (collective)."""
+        from megarl.trainer.weights import push_weights
+
+        push_weights(self, label)
 
     def make_learner(self, hf_config: dict, trainable: bool = True, lr: float | None = None):
         """A learner under the run's layout with the run's optimizer and precision settings."""

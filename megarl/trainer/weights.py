@@ -2,11 +2,15 @@
 
 The embedded engine takes the HF-named tensors in memory; server engines (vLLM, SGLang) reload an
 exported HF checkpoint directory ``weights_dir/vNNNNNN``. The asynchronous loop brackets a sync
-with its producer's pause/abort and resume (megarl/trainer/rollout_producer.py).
+with its producer's pause/abort and resume (megarl/trainer/rollout_producer.py). A step hook that
+is a ``RolloutWeights`` (parameter-space exploration) changes the learner's weights around each
+sync and restores them after it; ``push_weights`` is what method parts call to push weights of
+their own (an evolution-strategies population) under a label.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,14 +18,17 @@ from typing import Any
 import torch.distributed as dist
 
 from megarl.learner.factory import export_state
+from megarl.plugin.spec import RolloutWeights
 
 
-def export_dir(run: Any, version: int) -> Path:
-    """Export the learner as a HF checkpoint for ``version`` (collective); returns its directory."""
+def export_dir(run: Any, version: int | str) -> Path:
+    """Export the learner as a HF checkpoint for ``version`` (an int: ``vNNNNNN``; a str: that
+    name) (collective); returns its directory."""
     from megarl.convert.hf_megatron import save_hf_checkpoint
 
     r = run.cfg.rollout
-    wdir = Path(r.weights_dir or run.run_dir / "weights") / f"v{version:06d}"
+    name = f"v{version:06d}" if isinstance(version, int) else version
+    wdir = Path(r.weights_dir or run.run_dir / "weights") / name
     if dist.get_rank() == 0 and wdir.exists():
         shutil.rmtree(wdir)
     dist.barrier()
@@ -29,8 +36,8 @@ def export_dir(run: Any, version: int) -> Path:
     return wdir
 
 
-def sync_weights(run: Any, version: int) -> None:
-    """The learner's weights -> ``run.engine`` as ``version`` (collective)."""
+def push_weights(run: Any, version: int | str) -> None:
+    """The learner's current weights -> ``run.engine`` as ``version`` (collective)."""
     if run.cfg.rollout.engine == "embedded":
         state = export_state(run.learner)
         if run.engine is not None:
@@ -39,3 +46,13 @@ def sync_weights(run: Any, version: int) -> None:
     wdir = export_dir(run, version)
     if run.engine is not None:
         run.loop.run_until_complete(run.engine.update_weights(str(wdir), str(version)))
+
+
+def sync_weights(run: Any, version: int) -> None:
+    """The policy of ``version`` -> ``run.engine`` (collective), inside every ``RolloutWeights``
+    hook's ``rollout_weights(version)``."""
+    hooks = [h for h in run.method.step_hooks if isinstance(h, RolloutWeights)]
+    with contextlib.ExitStack() as stack:
+        for h in hooks:
+            stack.enter_context(h.rollout_weights(version))
+        push_weights(run, version)

@@ -820,6 +820,7 @@ CASES = {
     "replay": case_replay,
     "critic": case_critic,
 }
+CASES.update(__import__("tests.learner.perturbation_cases", fromlist=["CASES"]).CASES)
 CASES.update(__import__("tests.learner.gradient_cases", fromlist=["CASES"]).CASES)
 
 

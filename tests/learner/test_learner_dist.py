@@ -55,6 +55,8 @@ CASES_2 = [
     "checkpoint:moe:tp2sp:pp2",
     "export:dense:tp2",
     "export:moe:ep2",
+    "perturb:dense:tp2",
+    "perturb:moe:ep2",
     "objective:dense:tp1",
     "objective:dense:tp2",
     "objective:dense:pp2",

@@ -63,6 +63,8 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     # one critic warm-up step, then a policy update: both phases within the smoke's 2 steps
     "bpco": {"inputs": {"values": {"warmup_steps": 1}}},
     "bpco-privileged": {"inputs": {"values": {"warmup_steps": 1}}},
+    # a small population with raw rewards: 4 smoke prompts rarely tell z-scored members apart
+    "es": {"method": {"population": 1, "sigma": 0.02, "antithetic": False, "normalise": "none"}},
 }
 
 

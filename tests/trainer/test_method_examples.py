@@ -152,6 +152,11 @@ def check_signal(name: str, r: dict) -> None:
         assert st["method"]["step_hooks"] == [[]], st  # stateless: the projections come from the seed
     elif name in ("core-grpo", "core-reinforce-pp-baseline"):
         assert len(_any(r, "train/kl")) == STEPS  # the frozen reference learner was built
+    elif name == "3po":  # a new perturbation per version, stamped on the samples
+        ids = _any(r, "3po/perturbation_id")
+        assert len(ids) == STEPS and len(set(ids)) == STEPS and _any(r, "3po/sigma") == [0.003] * STEPS
+    elif name == "es":  # the population was scored through the engine and the hook's count is saved
+        assert _any(r, "es/members") == [1.0] * STEPS and st["method"]["step_hooks"] == [["updates"]], st
     elif name == "clip-cov":  # the draw counter of the covariance selection is checkpointed
         assert st["objective"] == ["policy_loss"], st
         assert len(_any(r, "train/clip_cov/selected_frac")) == STEPS
@@ -193,9 +198,14 @@ def test_example_runs_in_the_trainer(name, model, tmp_path_factory):
     assert "error" not in r, r.get("traceback", r.get("error"))
     assert [s["step"] for s in r["steps"]] == list(range(1, STEPS + 1))
     for s in r["steps"]:
-        # the engine sampled with exactly the learner's weights (dense and MoE, EP=2)
-        assert s["rollout/logprob_gap_old"] < 1e-4, s["rollout/logprob_gap_old"]
+        # the engine sampled with exactly the learner's weights (dense and MoE, EP=2); 3PO's engine
+        # samples with θ + σε while the learner keeps θ
+        gap = s["rollout/logprob_gap_old"]
+        assert gap > 1e-4 if name == "3po" else gap < 1e-4, gap
         if s.get("critic/warmup") == 1.0:  # a critic warm-up step holds the policy (checked below)
+            continue
+        if name == "es":  # ES steps the weights itself: no policy-gradient step
+            assert s["train/optimizer_steps"] == 0 and s["es/active"] == 1.0, s
             continue
         assert math.isfinite(s["train/loss"]) and math.isfinite(s["train/grad_norm"]), s
         assert s["train/update_successful"] == 1.0 and s["train/optimizer_steps"] == 2  # 2 mini-batches

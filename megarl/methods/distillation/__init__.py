@@ -6,10 +6,12 @@ Importing this package registers the family's objective parts and batch-input pr
 
 from megarl.methods.distillation import (
     distilled_rl,  # noqa: F401
+    isdpo,  # noqa: F401
     opd_regulation,  # noqa: F401
     opdvr,  # noqa: F401
     ra_opd,  # noqa: F401
     routes,  # noqa: F401
     rstg,  # noqa: F401
+    sc_grpo,  # noqa: F401
     self_teacher,  # noqa: F401
 )

@@ -5,3 +5,8 @@ Importing this package registers the family's parts.
 """
 
 from megarl.methods.gradients import gupo  # noqa: F401
+
+from megarl.methods.gradients import (  # noqa: F401
+    es,
+    three_po,
+)

@@ -1,0 +1,128 @@
+"""I-SDPO: one route per prompt. Groups with no correct sample distil from the self-teacher (the
+policy reading the prompt with its reference answer); the others train with GRPO. Formula and
+provenance: reference/self_distillation.py (reconstructed from the abstract; the distillation term
+is SDPO's sampled-token reverse KL).
+
+Parts: the ``isdpo`` route rule (``inputs.routes.rule``: route 0 ``grpo``, route 1 ``distil``, from
+``extras['self_teacher_correct']``), the ``isdpo`` policy loss (PPO clip on the grpo route, λ_SD ·
+sampled-token reverse KL toward ``batch.self_teacher_logprobs`` on the distil route, each route
+normalised by its own global count), and the method spec. The self-teacher forwards only the
+all-wrong groups' samples (``inputs.self_teacher_context.when: group_all_wrong``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.methods.distillation.routes import (
+    ROUTE_RULES,
+    RouteDecision,
+    group_routes,
+    prepare_routes,
+    route_scale,
+)
+from megarl.methods.distillation.self_teacher import CORRECT, LOGPROBS, ON
+from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
+from megarl.plugin.knobs import Knobs
+from megarl.plugin.spec import MethodParts, MethodSpec
+from megarl.registry import PartInfo
+
+NAMES = ("grpo", "distil")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def correctness(batch) -> torch.Tensor:
+    """[B] bool verdicts of the round's correctness check (``extras['self_teacher_correct']``)."""
+    c = batch.extras.get(CORRECT)
+    if c is None:
+        raise ValueError(
+            f"route rule isdpo needs extras['{CORRECT}'] (the self_teacher_context round input writes it)"
+        )
+    return c > 0.5
+
+
+@ROUTE_RULES.register("isdpo")
+def isdpo_rule(batch) -> RouteDecision:
+    """Route 1 (distil) for groups with no correct sample, route 0 (grpo) otherwise."""
+    routes = group_routes(batch.group_ids, correctness(batch), lambda c: int(not bool(c.any())))
+    return RouteDecision(routes, NAMES)
+
+
+def _prepare(batch, dp_group, state, aggregation: str = "token-mean", sd_coef: float = 1.0):
+    return prepare_routes(batch, len(NAMES), dp_group)
+
+
+def isdpo_loss(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    cu_seqlens,
+    clip_low=0.2,
+    clip_high=0.28,
+    dual_clip=None,
+    aggregation: str = "token-mean",
+    sd_coef: float = 1.0,
+    batch=None,
+    ctx=None,
+):
+    """Per-token loss: route scale x (PPO clip on grpo groups | sd_coef x sampled reverse KL toward
+    the self-teacher on distil groups). ``aggregation`` must be the objective's (the method checks)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"policy_loss_args.aggregation={aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+    teacher = getattr(batch, LOGPROBS)
+    if teacher is None:
+        raise ValueError(f"policy_loss=isdpo needs the batch field '{LOGPROBS}'")
+    distil = batch.extras["routes"].to(logp.dtype).repeat_interleave(batch.seq_lens)
+    on = batch.extras[ON].to(logp.dtype).repeat_interleave(batch.seq_lens)
+    pg = ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low, clip_high, dual_clip)
+    sd = -(teacher.to(logp.dtype) - old_logp).detach() * torch.exp(logp - old_logp.detach()) * on
+    scale = route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype)
+    return scale * ((1 - distil) * pg + sd_coef * distil * sd)
+
+
+POLICY_LOSSES.add(
+    "isdpo",
+    isdpo_loss,
+    PartInfo(batch_inputs=("routes", LOGPROBS), prepare=_prepare, needs_context=True),
+)
+
+
+@dataclass
+class ISDPOKnobs(Knobs):
+    """No knobs of its own: λ_SD is ``objective.policy_loss_args.sd_coef``."""
+
+
+def build(ctx, knobs) -> MethodParts:
+    """Check that the loss's route normalisers follow the objective's aggregation."""
+    o = ctx.cfg.objective
+    mine = dict(o.policy_loss_args).get("aggregation", "token-mean")
+    if mine != o.aggregation:
+        raise ValueError(
+            f"objective.policy_loss_args.aggregation={mine!r} must equal objective.aggregation="
+            f"{o.aggregation!r} (each route is normalised the objective's way)"
+        )
+    return MethodParts()
+
+
+SPEC = MethodSpec(
+    name="isdpo",
+    summary="I-SDPO: all-wrong groups distil from the self-teacher (answer in context), others GRPO",
+    provenance="reconstructed",
+    config={
+        "advantage": {"estimator": "grpo"},
+        "objective": {
+            "policy_loss": "isdpo",
+            "aggregation": "token-mean",
+            "policy_loss_args": {"aggregation": "token-mean", "sd_coef": 1.0},
+        },
+        "inputs": {
+            "routes": {"rule": "isdpo"},
+            "self_teacher_context": {"source": "answer", "when": "group_all_wrong"},
+        },
+    },
+    knobs=ISDPOKnobs,
+    build=build,
+)

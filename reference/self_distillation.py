@@ -1,0 +1,134 @@
+"""Self-distillation methods (the teacher is the policy itself reading a privileged context), on the
+padded layout [B, L] with full logits [B, L, V]. Plain PyTorch, written from the formulas.
+
+Notation: logp = log π_θ(y_t | x, y_<t) (current), old_logp the behaviour policy's, teacher_logp =
+log π_θ(y_t | x, c, y_<t) under the privileged context c (stop-gradient), mask the loss tokens,
+groups the prompt of each sequence.
+
+I-SDPO (reconstructed from the abstract; the distillation term follows SDPO's sampled-token form):
+  route(x) = distil  if no sample of the group is correct, else grpo
+  L = Σ_{grpo tokens} ppo_clip(r_t, A_i) / N_grpo + λ_SD Σ_{distil tokens} sd_t / N_distil
+  sd_t = -sg(teacher_logp - old_logp) · exp(logp - sg(old_logp))   (sampled-token reverse KL)
+  N_route: the route's loss-token count (token-mean) or its sequence count (seq-mean-*, with the
+  per-sequence token mean inside for seq-mean-token-mean).
+"""
+
+import torch
+
+
+def _logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[b, t]) from logits[b, t] (aligned: logits[t] scored tokens[t])."""
+    return torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+
+
+def ppo_clip(logp, old_logp, adv, clip_low: float, clip_high: float) -> torch.Tensor:
+    """-min(r A, clip(r, 1 - low, 1 + high) A) per token."""
+    r = torch.exp(logp - old_logp)
+    return -torch.minimum(r * adv, torch.clamp(r, 1 - clip_low, 1 + clip_high) * adv)
+
+
+def sampled_reverse_kl(logp, old_logp, teacher_logp) -> torch.Tensor:
+    """The sampled-token reverse-KL distillation loss per token (see the module docstring)."""
+    return -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach())
+
+
+def route_mean(loss: torch.Tensor, mask: torch.Tensor, on: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """The aggregate of ``loss`` [B, L] over the sequences ``on`` [B] alone (0 when none has a loss token)."""
+    m = mask * on[:, None].to(mask.dtype)
+    n_tok = m.sum(1)
+    if aggregation == "token-mean":
+        return (loss * m).sum() / m.sum().clamp(min=1)
+    n_seq = (n_tok > 0).sum().clamp(min=1)
+    if aggregation == "seq-mean-token-mean":
+        return ((loss * m).sum(1) / n_tok.clamp(min=1)).sum() / n_seq
+    if aggregation == "seq-mean-token-sum":
+        return (loss * m).sum() / n_seq
+    raise ValueError(f"aggregation {aggregation!r} is not supported here")
+
+
+def isdpo_routes(correct: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """[B] bool: True where the sequence's group has no correct sample (the distil route)."""
+    out = torch.zeros_like(correct, dtype=torch.bool)
+    for g in torch.unique(group_ids):
+        sel = group_ids == g
+        out[sel] = not bool(correct[sel].any())
+    return out
+
+
+def isdpo_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    old_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    teacher_on: torch.Tensor,
+    correct: torch.Tensor,
+    group_ids: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    sd_coef: float = 1.0,
+    aggregation: str = "token-mean",
+) -> torch.Tensor:
+    """I-SDPO loss (module docstring). logits [B, L, V]; tokens, mask, adv, old_logp, teacher_logp
+    [B, L]; teacher_on [B] (sequences the self-teacher scored), correct [B], group_ids [B]."""
+    logp = _logp(logits, tokens)
+    distil = isdpo_routes(correct, group_ids)
+    pg = ppo_clip(logp, old_logp, adv, clip_low, clip_high)
+    sd = sampled_reverse_kl(logp, old_logp, teacher_logp) * teacher_on[:, None].to(logp.dtype)
+    return route_mean(pg, mask, ~distil, aggregation) + sd_coef * route_mean(sd, mask, distil, aggregation)
+
+
+# ----------------------------------------------------------------------------------- SC-GRPO
+# SC-GRPO (paper: the KL between the self-conditioned and the original distribution weighs the GRPO
+# token gradients multiplicatively; the weight's form is reconstructed):
+#   ρ_t = exp(teacher_logp - old_logp), teacher = the policy conditioned on a verified sibling y*
+#   k_t = ρ log ρ - (ρ - 1)        forward:  KL(π_T || π_θ), sampled-token estimate under y ~ π_θ
+#   k_t = (ρ - 1) - log ρ          reverse:  KL(π_θ || π_T) (k3)
+#   w_t = clip(k_t^p / mean_{t' ∈ seq} k_{t'}^p, 0, w_max)   (1 where the mean is <= eps or no y*)
+#   A_{i,t} = w_t · A_i^GRPO
+
+
+def sc_token_kl(
+    teacher_logp: torch.Tensor, old_logp: torch.Tensor, direction: str = "reverse"
+) -> torch.Tensor:
+    """Per-token non-negative KL estimate between the self-conditioned and original policies."""
+    d = (teacher_logp - old_logp).double()
+    rho = torch.exp(d)
+    return rho * d - (rho - 1) if direction == "forward" else (rho - 1) - d
+
+
+def sc_grpo_weights(
+    k: torch.Tensor,
+    mask: torch.Tensor,
+    on: torch.Tensor,
+    power: float = 1.0,
+    w_max: float = 5.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """w [B, L] from k [B, L] (module comment); on [B]: sequences with a verified sibling."""
+    kp = k.clamp(min=0) ** power * mask
+    mean = kp.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    use = (mean > eps) & on[:, None].bool()
+    w = torch.where(use, kp / torch.where(use, mean, torch.ones_like(mean)), torch.ones_like(kp))
+    return w.clamp(0, w_max) * mask
+
+
+def sc_grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    on: torch.Tensor,
+    direction: str = "reverse",
+    power: float = 1.0,
+    w_max: float = 5.0,
+    scale_by_std: bool = True,
+) -> torch.Tensor:
+    """[B, L] SC-GRPO token advantages: the GRPO advantage of each sequence times w_t."""
+    from reference.advantages import grpo
+
+    a = grpo(rewards, group_ids, scale_by_std)
+    w = sc_grpo_weights(sc_token_kl(teacher_logp, old_logp, direction), mask, on, power, w_max)
+    return a[:, None] * w
