@@ -69,6 +69,7 @@ METHODS: dict[str, str] = {
     "opd_regulation": "megarl.methods.distillation.opd_regulation:SPEC",
     "ra_opd": "megarl.methods.distillation.ra_opd:SPEC",
     "rstg": "megarl.methods.distillation.rstg:SPEC",
+    "self_routing": "megarl.methods.distillation.self_routing:SPEC",
     "opdvr": "megarl.methods.distillation.opdvr:OPDVR",
     "grpd": "megarl.methods.distillation.opdvr:GRPD",
 }

@@ -9,7 +9,11 @@ Sampled-token reverse KL (tokens sampled from the student):
 Full-vocabulary KL per token, from student logits z_s and teacher logits z_t:
   forward  KL(π_t || π_s) = Σ_v p_t (log p_t - log p_s)
   reverse  KL(π_s || π_t) = Σ_v p_s (log p_s - log p_t)
+  JSD      ½ KL(π_s || m) + ½ KL(π_t || m),  m = ½ (π_s + π_t)
+  Hellinger² 1 - Σ_v sqrt(p_s p_t)
 """
+
+import math
 
 import torch
 
@@ -31,6 +35,22 @@ def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> to
     """KL(student || teacher) per token.  logits: [B, L, V] -> [B, L]"""
     ls, lt = torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1)
     return (ls.exp() * (ls - lt)).sum(-1)
+
+
+def jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Jensen-Shannon divergence per token, ½ KL(p_s || m) + ½ KL(p_t || m), m = ½ (p_s + p_t).
+
+    Symmetric, bounded by log 2. Provenance: the β = ½ generalised JSD of GKD (Agarwal et al. 2024).
+    logits: [B, L, V] -> [B, L]
+    """
+    ls, lt = torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1)
+    lm = torch.logaddexp(ls, lt) - math.log(2.0)
+    return 0.5 * ((ls.exp() * (ls - lm)).sum(-1) + (lt.exp() * (lt - lm)).sum(-1))
+
+
+def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) at arbitrary ids (e.g. a teacher's top-K).  [B, L, V], [B, L, K] -> [B, L, K]"""
+    return torch.log_softmax(logits, -1).gather(-1, ids)
 
 
 def hellinger_sq(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
@@ -252,3 +272,81 @@ def rstg_loss(
     opd = -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach())
     tok = pg + alpha * weight[:, None].to(logp.dtype) * gate * opd - gamma * sft[:, None] * logp
     return aggregate(tok, mask, aggregation)
+
+
+# ----------------------------------------------------------------------------------------------
+# Self-Routing: one route per prompt group by its samples' correctness and confidence.
+# Reconstructed from the abstract (four routes: GRPO / self-distillation / regularise / skip); the
+# confidence, thresholds, route losses and the normaliser are this reconstruction's.
+# ----------------------------------------------------------------------------------------------
+
+SELF_ROUTES = ("grpo", "opsd", "regularise", "skip")
+
+
+def self_routing_routes(
+    correct: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    tau_c: float = 0.8,
+) -> torch.Tensor:
+    """[B] route index into SELF_ROUTES: p̂ = mean correct of the group, c̄ = mean of
+    c_i = exp(mean_t log π_old); 0 < p̂ < 1 grpo, p̂ = 0 opsd, p̂ = 1 and c̄ < τ_c regularise, else skip.
+    correct, group_ids: [B]; old_logp, mask: [B, L]."""
+    conf = torch.exp((old_logp.double() * mask).sum(1) / mask.sum(1).clamp(min=1))
+    out = torch.zeros(correct.shape[0], dtype=torch.long)
+    for g in group_ids.unique():
+        members = group_ids == g
+        p = float(correct[members].double().mean())
+        if 0 < p < 1:
+            out[members] = 0
+        elif p == 0:
+            out[members] = 1
+        else:
+            out[members] = 3 if float(conf[members].mean()) >= tau_c else 2
+    return out
+
+
+def self_routing_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    teacher_on: torch.Tensor,
+    routes: torch.Tensor,
+    sd_coef: float = 1.0,
+    reg_coef: float = 0.1,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+) -> torch.Tensor:
+    """Self-Routing [reconstructed]: per token, by its group's route,
+        grpo:        PPO-clip(r, A)
+        opsd:        λ_SD · (−sg(log π_T − log π_old) · exp(logp − sg old))   (T: the self-teacher)
+        regularise:  λ_reg · (−logp)
+        skip:        0
+    summed and divided by the tokens (token-mean) or sequences with a loss token (seq-mean-token-mean:
+    of per-sequence token means; seq-mean-token-sum: of per-sequence sums) of the non-skipped routes.
+    logp, old_logp, adv, mask, teacher_logp: [B, L]; teacher_on (1: the sample has a teacher
+    context), routes: [B]."""
+    from reference.policy_losses import ppo_clip
+
+    r = routes[:, None]
+    pg = ppo_clip(logp, old_logp, adv, clip_low, clip_high, dual_clip)
+    sd = -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach()) * teacher_on[:, None]
+    zero = torch.zeros_like(logp)
+    tok = torch.where(r == 0, pg, zero) + torch.where(r == 1, sd_coef * sd, zero)
+    tok = tok + torch.where(r == 2, -reg_coef * logp, zero)
+    keep = (routes != 3)[:, None].to(logp.dtype) * mask
+    n = mask.sum(1)
+    if aggregation == "token-mean":
+        return (tok * keep).sum() / keep.sum().clamp(min=1)
+    seqs = (keep.sum(1) > 0).to(logp.dtype)
+    per_seq = (tok * keep).sum(1)
+    if aggregation == "seq-mean-token-mean":
+        per_seq = per_seq / n.clamp(min=1)
+    elif aggregation != "seq-mean-token-sum":
+        raise ValueError(f"self_routing_loss: unsupported aggregation {aggregation!r}")
+    return (per_seq * seqs).sum() / seqs.sum().clamp(min=1)

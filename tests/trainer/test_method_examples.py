@@ -157,6 +157,13 @@ def check_signal(name: str, r: dict) -> None:
         assert len(ids) == STEPS and len(set(ids)) == STEPS and _any(r, "3po/sigma") == [0.003] * STEPS
     elif name == "es":  # the population was scored through the engine and the hook's count is saved
         assert _any(r, "es/members") == [1.0] * STEPS and st["method"]["step_hooks"] == [["updates"]], st
+    elif name == "rstg":  # the teacher reached the gated OPD term of the all-wrong groups
+        nzv, dis = _any(r, "train/rstg/nzv_token_frac"), _any(r, "train/rstg/distilled_token_frac")
+        assert len(dis) == STEPS and all(0 <= d <= n for d, n in zip(dis, nzv)), (nzv, dis)
+    elif name == "self-routing":  # one route per group: the route fractions cover the batch
+        for s in r["steps"]:
+            fr = [s[f"route/{k}_frac"] for k in ("grpo", "opsd", "regularise", "skip")]
+            assert abs(sum(fr) - 1) < 1e-9, fr
     elif name == "clip-cov":  # the draw counter of the covariance selection is checkpointed
         assert st["objective"] == ["policy_loss"], st
         assert len(_any(r, "train/clip_cov/selected_frac")) == STEPS

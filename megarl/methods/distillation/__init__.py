@@ -12,6 +12,7 @@ from megarl.methods.distillation import (
     ra_opd,  # noqa: F401
     routes,  # noqa: F401
     rstg,  # noqa: F401
+    self_routing,  # noqa: F401
     sc_grpo,  # noqa: F401
     self_teacher,  # noqa: F401
 )
