@@ -50,6 +50,9 @@ class PackedBatch:
     [B, K] for K named reward dimensions), ``policy_versions``, ``truncated``, ``turn_spans``.
     Per token (length T): ``tokens``, ``loss_mask`` and the optional ``TOKEN_FIELDS``.
     ``routed_experts`` ([T, n_moe_layers, topk], int) is optional MoE routing to replay.
+    ``token_extras``: per-token tensors ``[T, ...]`` of the run's inputs that travel with their
+    tokens through ``select``/``split`` (e.g. the teacher's logits ``[T, V/tp]`` on the last
+    pipeline stage, its top-K ids and logprobs ``[T, K]``).
     """
 
     tokens: torch.Tensor  # [T] int64
@@ -75,6 +78,7 @@ class PackedBatch:
     routed_experts: torch.Tensor | None = None  # [T, n_moe_layers, topk] int
     reward_names: list[str] | None = None  # names of the K reward dimensions
     extras: dict = field(default_factory=dict)  # method-specific per-seq tensors [B, ...]
+    token_extras: dict = field(default_factory=dict)  # per-token tensors [T, ...] (see the docstring)
 
     # ----------------------------------------------------------------------------- shape info
     @property
@@ -128,6 +132,8 @@ class PackedBatch:
                 kw[f.name] = None if v is None else [v[i] for i in ids.tolist()]
             elif f.name == "extras":
                 kw[f.name] = {k: t[ids] for k, t in v.items()}
+            elif f.name == "token_extras":
+                kw[f.name] = {k: t[tok_idx.to(t.device)] for k, t in v.items()}
             elif isinstance(v, torch.Tensor):
                 kw[f.name] = v[ids]
             else:
@@ -291,6 +297,9 @@ def _validate_packed(b: PackedBatch) -> None:
             k = 1 if b.rewards.dim() == 1 else b.rewards.shape[1]
             if len(b.reward_names) != k:
                 _fail("reward_names", f"{len(b.reward_names)} names for {k} reward dimensions")
+    for name, v in b.token_extras.items():
+        if v.dim() < 1 or v.shape[0] != T:
+            _fail(f"token_extras[{name!r}]", f"expected shape [T={T}, ...], got {tuple(v.shape)}")
     for name in ("loss_mask",) + TOKEN_FIELDS:
         v = getattr(b, name)
         if v is None:

@@ -81,4 +81,8 @@ def rl_loss(
         loss = loss + distill_coef * agg(distillation.forward_kl(logits, teacher_logits))
     elif distill == "reverse_kl":
         loss = loss + distill_coef * agg(distillation.reverse_kl(logits, teacher_logits))
+    elif distill == "jsd":
+        loss = loss + distill_coef * agg(distillation.jsd(logits, teacher_logits))
+    elif distill == "hellinger":
+        loss = loss + distill_coef * agg(distillation.hellinger_sq(logits, teacher_logits))
     return loss

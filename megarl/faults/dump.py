@@ -93,7 +93,7 @@ def concat_batches(parts: list[PackedBatch]) -> PackedBatch:
             cu = torch.zeros(lens.numel() + 1, dtype=torch.long)
             cu[1:] = torch.cumsum(lens, 0)
             kw[f.name] = cu
-        elif f.name == "extras":
+        elif f.name in ("extras", "token_extras"):
             kw[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
         elif all(v is None for v in vals):
             kw[f.name] = None

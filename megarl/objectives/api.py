@@ -14,6 +14,7 @@ average (or the caller multiplies by the DP size after an averaging reduction).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,6 +68,16 @@ class LossContext:
     chunk_tokens: int | None = None  # token chunk of the vocab-parallel ops; None: ~2**24 elements
     step: int = 0  # optimizer step (for schedules inside objectives)
     teacher_logits: torch.Tensor | None = None  # [T, V/tp], same sharding, for full-vocab distillation
+
+
+def micro_batch_context(ctx: LossContext, mb: PackedBatch, device: Any = None) -> LossContext:
+    """``ctx`` for one micro-batch: the teacher's logits travel with their tokens in the batch
+    (``mb.token_extras["teacher_logits"]`` [T, V/tp], same sharding as the logits) and reach the
+    objective as ``LossContext.teacher_logits`` (moved to ``device`` when given)."""
+    t = mb.token_extras.get("teacher_logits")
+    if t is None:
+        return ctx
+    return dataclasses.replace(ctx, teacher_logits=t if device is None else t.to(device))
 
 
 @dataclass

@@ -1,13 +1,16 @@
 """On-policy distillation terms (formulas: reference/distillation.py), registered by name.
 
-``fn(logits [T, V/tp], logp [T], old_logp [T], batch, ctx) -> per-token loss [T]``.
+``fn(logits [T, V/tp], logp [T], old_logp [T], batch, ctx) -> per-token loss [T]``. Each declares
+the teacher input it reads: ``teacher_logprobs`` (sampled tokens) or ``teacher_logits`` (the
+full-vocabulary modes: the teacher's logits reach the loss as ``LossContext.teacher_logits``,
+sharded like the student's).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megarl.ops.vocab_parallel import vocab_parallel_kl
+from megarl.ops.vocab_parallel import vocab_parallel_hellinger_sq, vocab_parallel_jsd, vocab_parallel_kl
 from megarl.registry import Registry
 
 DISTILLATION: Registry = Registry("distill")
@@ -18,7 +21,7 @@ def none(logits, logp, old_logp, batch, ctx):
     return torch.zeros_like(logp)
 
 
-@DISTILLATION.register("sampled_reverse_kl")
+@DISTILLATION.register("sampled_reverse_kl", batch_inputs=("teacher_logprobs",))
 def sampled_reverse_kl(logits, logp, old_logp, batch, ctx):
     """-sg(teacher_logp - old_logp) · exp(logp - sg(old_logp)); needs batch.teacher_logprobs."""
     if batch.teacher_logprobs is None:
@@ -32,13 +35,25 @@ def _teacher(ctx):
     return ctx.teacher_logits.detach()
 
 
-@DISTILLATION.register("forward_kl")
+@DISTILLATION.register("forward_kl", batch_inputs=("teacher_logits",))
 def forward_kl(logits, logp, old_logp, batch, ctx):
     """KL(teacher || student) per token over the full vocabulary."""
     return vocab_parallel_kl(_teacher(ctx), logits, ctx.tp_group, ctx.chunk_tokens)
 
 
-@DISTILLATION.register("reverse_kl")
+@DISTILLATION.register("reverse_kl", batch_inputs=("teacher_logits",))
 def reverse_kl(logits, logp, old_logp, batch, ctx):
     """KL(student || teacher) per token over the full vocabulary."""
     return vocab_parallel_kl(logits, _teacher(ctx), ctx.tp_group, ctx.chunk_tokens)
+
+
+@DISTILLATION.register("jsd", batch_inputs=("teacher_logits",))
+def jsd(logits, logp, old_logp, batch, ctx):
+    """Jensen-Shannon divergence between student and teacher per token over the full vocabulary."""
+    return vocab_parallel_jsd(logits, _teacher(ctx), ctx.tp_group, ctx.chunk_tokens)
+
+
+@DISTILLATION.register("hellinger", batch_inputs=("teacher_logits",))
+def hellinger(logits, logp, old_logp, batch, ctx):
+    """Squared Hellinger distance between student and teacher per token over the full vocabulary."""
+    return vocab_parallel_hellinger_sq(logits, _teacher(ctx), ctx.tp_group, ctx.chunk_tokens)

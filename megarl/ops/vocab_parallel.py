@@ -16,6 +16,7 @@ Logits must be finite.
 
 from __future__ import annotations
 
+import math
 from typing import Any, overload
 
 import torch
@@ -322,3 +323,80 @@ def vocab_parallel_topk(
     # stable sort on -value keeps rank (= id) order among equal values
     order = torch.sort(-all_vals, dim=-1, stable=True).indices[:, :k]
     return all_vals.gather(-1, order), all_ids.gather(-1, order)
+
+
+class _GatherLogits(torch.autograd.Function):
+    """z[t, ids[t, k]] of sharded logits: each rank gathers the ids in its vocab range, one
+    all-reduce sums them; the gradient lands on the owning rank's column."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, group):
+        v0, v1 = _vocab_range(logits, group)
+        own = (ids >= v0) & (ids < v1)
+        local = (ids - v0).clamp(0, logits.shape[-1] - 1)
+        out = torch.where(own, logits.gather(-1, local), torch.zeros((), dtype=logits.dtype))
+        comm.all_reduce(out, "sum", group)
+        ctx.save_for_backward(own, local)
+        ctx.shape = logits.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        own, local = ctx.saved_tensors
+        grad = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
+        grad.scatter_add_(-1, local, torch.where(own, g, torch.zeros((), dtype=g.dtype)))
+        return grad, None, None
+
+
+def vocab_parallel_gather_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """log softmax(logits)[t, ids[t, k]] at arbitrary global ids (e.g. a teacher's top-K):
+    logits [T, V/tp], ids [T, K] int64 in [0, V) -> [T, K]; differentiable w.r.t. the logits."""
+    lse = vocab_parallel_logsumexp(logits, tp_group, chunk_tokens)
+    acc = _acc_dtype(logits)
+    return _GatherLogits.apply(logits, ids.long(), tp_group).to(acc) - lse.to(acc).unsqueeze(-1)
+
+
+def vocab_parallel_jsd(
+    logits_p: torch.Tensor, logits_q: torch.Tensor, tp_group: Any = None, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """Jensen-Shannon divergence per token, ½ KL(p || m) + ½ KL(q || m) with m = ½ (p + q):
+    [T, V/tp] x2 -> [T]; differentiable w.r.t. both (plain autograd over this rank's shard, one
+    all-reduce of the per-token partial sums; unlike the KL it keeps a few fp32 [T, V/tp]
+    temporaries for backward)."""
+    acc = _acc_dtype(logits_p)
+    lse_p = _SumGradOverRanks.apply(vocab_parallel_logsumexp(logits_p, tp_group, chunk_tokens), tp_group)
+    lse_q = _SumGradOverRanks.apply(vocab_parallel_logsumexp(logits_q, tp_group, chunk_tokens), tp_group)
+    lp = logits_p.to(acc) - lse_p.to(acc).unsqueeze(-1)
+    lq = logits_q.to(acc) - lse_q.to(acc).unsqueeze(-1)
+    lm = torch.logaddexp(lp, lq) - math.log(2.0)
+    part = 0.5 * (torch.exp(lp) * (lp - lm) + torch.exp(lq) * (lq - lm)).sum(-1)
+    return _SumOverRanks.apply(part, tp_group)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Σ over the TP ranks of per-rank partial values; every rank's loss uses the sum, so the
+    gradient of each rank's own partial is the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x.clone(), "sum", group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity on a value replicated over the TP ranks (a log-normaliser) that each rank then uses
+    in its own partial sum: its gradient is the sum of every rank's."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g.clone(), "sum", ctx.group), None

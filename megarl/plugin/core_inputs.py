@@ -6,6 +6,8 @@
 - ``teacher_logprobs`` [T]: a forward-only teacher learner (``teacher.hf_dir``; on-policy
   distillation), its own architecture, the policy's vocabulary; or, with ``teacher.source:
   engine``, a rollout engine serving the teacher (megarl/plugin/engine_teacher.py);
+- ``teacher_logits`` / ``teacher_topk``: the same teacher's full logits and top-K, in
+  ``token_extras`` (megarl/plugin/teacher_pass.py);
 - ``reward_dims``: ``rewards`` [B, K] with ``reward_names`` (the named reward dimensions).
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from megarl.batch import PackedBatch
 from megarl.plugin.inputs import InputProvider, RolloutInfo, register_provider
+from megarl.plugin.teacher_pass import MegatronTeacherPass, TeacherKnobs
 
 
 class PolicyPass:
@@ -77,12 +80,14 @@ def _reference(ctx: Any, names: frozenset) -> FrozenPass:
 
 
 def _teacher(ctx: Any, names: frozenset) -> Any:
+    top_k = ctx.knobs.top_k if ctx.knobs is not None else TeacherKnobs().top_k
     if ctx.cfg.teacher.source == "engine":  # served by a rollout engine (megarl/plugin/engine_teacher.py)
         from megarl.plugin.engine_teacher import build_engine_teacher
 
-        return build_engine_teacher(ctx)
+        return build_engine_teacher(ctx, names, top_k)
     hf = teacher_hf_config(ctx.cfg, ctx.hf_config)
-    return FrozenPass(ctx.make_learner(hf, ctx.cfg.teacher.hf_dir, trainable=False), "teacher_logprobs")
+    learner = ctx.make_learner(hf, ctx.cfg.teacher.hf_dir, trainable=False)
+    return MegatronTeacherPass(learner, names, top_k)
 
 
 class RewardDims:
@@ -116,10 +121,12 @@ register_provider(
 )
 register_provider(
     InputProvider(
-        ("teacher_logprobs",),
+        ("teacher_logprobs", "teacher_logits", "teacher_topk"),
         "learner",
         _teacher,
-        summary="a forward-only teacher learner (teacher.hf_dir) or a teacher engine (teacher.source)",
+        knobs=TeacherKnobs,
+        summary="a forward-only teacher learner (teacher.hf_dir) or a teacher engine (teacher.source): "
+        "logprobs of the tokens, full logits (token_extras), top-K ids and logprobs",
     )
 )
 register_provider(

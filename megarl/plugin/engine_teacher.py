@@ -53,28 +53,37 @@ async def score_sequences(engines: list, seqs: list[list[int]], top_k: int = 0) 
 
 
 class EngineTeacherPass:
-    """Fills ``teacher_logprobs`` [T] from engines serving the teacher (rank 0 asks, all receive).
+    """Fills ``teacher_logprobs`` [T] and, when asked (``top_k`` > 0), ``teacher_topk``
+    (``token_extras["teacher_topk_ids"/"teacher_topk_logprobs"]`` [T, K]; rows of first tokens
+    are -1 / -inf) from engines serving the teacher: rank 0 asks, every rank receives.
 
     ``engines``: rank 0's teacher engines (None on the other ranks); ``device``: where the
     broadcast runs (the process group's device: cuda under NCCL)."""
 
-    def __init__(self, engines: list | None, device: Any = "cpu"):
-        self.engines, self.device = engines, device
+    def __init__(self, engines: list | None, device: Any = "cpu", top_k: int = 0):
+        self.engines, self.device, self.top_k = engines, device, top_k
         self.loop = asyncio.new_event_loop() if engines else None
 
     def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
         """In place (collective over the world)."""
-        lp = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        T, K = batch.num_tokens, self.top_k
+        lp = torch.zeros(T, 1 + 2 * K, dtype=torch.float64)  # logprob, K ids, K logprobs
         if self.engines:
             cu = batch.cu_seqlens.tolist()
             toks = batch.tokens.tolist()
             seqs = [toks[a:b] for a, b in itertools.pairwise(cu)]
-            scores = self.loop.run_until_complete(score_sequences(self.engines, seqs))
-            lp = torch.tensor([x for s in scores for x in s.logprobs], dtype=torch.float32)
+            scores = self.loop.run_until_complete(score_sequences(self.engines, seqs, K))
+            lp[:, 0] = torch.tensor([x for s in scores for x in s.logprobs], dtype=torch.float64)
+            if K:
+                lp[:, 1:] = _topk_rows(scores, K)
         if dist.is_initialized() and dist.get_world_size() > 1:
             lp = lp.to(self.device)
             dist.broadcast(lp, src=0)
-        batch.teacher_logprobs = lp.cpu()
+        lp = lp.cpu()
+        batch.teacher_logprobs = lp[:, 0].float()
+        if K:
+            batch.token_extras["teacher_topk_ids"] = lp[:, 1 : 1 + K].long()
+            batch.token_extras["teacher_topk_logprobs"] = lp[:, 1 + K :].float()
         return {}
 
     def close(self) -> None:
@@ -86,7 +95,24 @@ class EngineTeacherPass:
             self.engines = None
 
 
-def build_engine_teacher(ctx: Any) -> EngineTeacherPass:
-    """The pass for ``ctx.cfg.teacher`` (``source: engine``); engines are made on rank 0 only."""
+def _topk_rows(scores: list, k: int) -> torch.Tensor:
+    """[T, 2k]: per token the k ids then the k logprobs (positions with fewer: id -1, -inf)."""
+    rows = []
+    for s in scores:
+        for ids, lps in zip(s.top_ids, s.top_logprobs):
+            pad = k - len(ids)
+            rows.append(list(ids) + [-1] * pad + list(lps) + [float("-inf")] * pad)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def build_engine_teacher(ctx: Any, names: frozenset = frozenset(), top_k: int = 8) -> EngineTeacherPass:
+    """The pass for ``ctx.cfg.teacher`` (``source: engine``) filling ``names``; engines are made on
+    rank 0 only. The full logits are the Megatron teacher's alone."""
+    if "teacher_logits" in names:
+        raise ValueError(
+            "teacher.source=engine gives the teacher's logprobs and top-K, not its full-vocabulary "
+            "logits (needed by the full-vocabulary objective.distill modes); use teacher.source=megatron"
+        )
     device = ctx.groups.device if ctx.groups is not None else "cpu"
-    return EngineTeacherPass(teacher_engines(ctx.cfg.teacher) if ctx.rank0 else None, device)
+    k = top_k if "teacher_topk" in names else 0
+    return EngineTeacherPass(teacher_engines(ctx.cfg.teacher) if ctx.rank0 else None, device, k)

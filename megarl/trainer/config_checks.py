@@ -112,13 +112,7 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"environment.name={cfg.environment.name!r}; allowed: {', '.join(WORKFLOWS.names())}"
         )
-    _check_teacher(cfg.teacher)
-    d = cfg.objective.distill
-    if d in ("forward_kl", "reverse_kl"):
-        raise ConfigError(
-            f"objective.distill={d!r} needs the teacher's full-vocabulary logits inside the loss, "
-            "which the trainer does not provide yet; use sampled_reverse_kl (teacher logprobs)"
-        )
+    _check_teacher(cfg)
     try:
         cfg.environment.feedback.format(prompt="")
     except (KeyError, IndexError, ValueError) as e:
@@ -134,10 +128,19 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_teacher(t) -> None:
-    """An engine-served teacher names its servers (``teacher.urls``) or, embedded, its checkpoint."""
+def _check_teacher(cfg: TrainConfig) -> None:
+    """An engine-served teacher names its servers (``teacher.urls``) or, embedded, its checkpoint,
+    and cannot feed the full-vocabulary distillation modes (they need the teacher's logits)."""
+    from megarl.objectives.distillation import DISTILLATION
+
+    t, d = cfg.teacher, cfg.objective.distill
     if t.source != "engine":
         return
+    if d in DISTILLATION.names() and "teacher_logits" in DISTILLATION.info(d).batch_inputs:
+        raise ConfigError(
+            f"objective.distill={d!r} needs the teacher's full-vocabulary logits, which only "
+            "teacher.source=megatron gives (an engine gives logprobs and top-K)"
+        )
     if t.engine == "embedded" and not t.hf_dir:
         raise ConfigError("teacher.engine=embedded needs teacher.hf_dir (the teacher's HF checkpoint)")
     if t.engine != "embedded" and not t.urls:

@@ -17,6 +17,7 @@ import torch
 
 from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.batch import PackedBatch
+from megarl.objectives.distillation import DISTILLATION
 from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.plugin.inputs import INPUT_PROVIDERS, RolloutInfo, provider_for
@@ -48,7 +49,7 @@ def required_inputs(cfg: Any, spec: Any = None) -> dict[str, str]:
     if o.kl_coef:
         add(("ref_logprobs",), "objective.kl_coef")
     if o.distill != "none":
-        add(("teacher_logprobs",), f"objective.distill={o.distill}")
+        add(DISTILLATION.info(o.distill).batch_inputs, f"objective.distill={o.distill}")
     if spec is not None:
         add(spec.inputs, f"method {spec.name}")
     return need

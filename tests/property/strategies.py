@@ -58,7 +58,7 @@ def build_batch(prompt, resp, group_ids, holes, V: int, rng: torch.Generator, dt
 
 def objective_configs(
     policy_losses=("ppo", "gspo", "cispo", "dppo_tv", "dppo_kl"),
-    distills=("none", "sampled_reverse_kl", "forward_kl", "reverse_kl"),
+    distills=("none", "sampled_reverse_kl", "forward_kl", "reverse_kl", "jsd", "hellinger"),
 ):
     """Objective configs spanning every registered part."""
     return st.builds(

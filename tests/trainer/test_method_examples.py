@@ -125,8 +125,9 @@ def check_signal(name: str, r: dict) -> None:
         assert st["method"].get("rrpo") == ["head"]
     elif name == "cokl":
         assert len(_any(r, "train/reg/cokl")) == STEPS
-    elif name in ("core-onpolicy-distill", "core-onpolicy-distill-engine"):
-        d = _any(r, "train/distill")  # teacher logprobs from the Megatron teacher / the teacher engine
+    elif name in ("core-onpolicy-distill", "core-onpolicy-distill-engine", "core-distill-full-vocab"):
+        # teacher logprobs from the Megatron teacher / the teacher engine; full-vocab: its logits
+        d = _any(r, "train/distill")
         assert len(d) == STEPS and any(x != 0 for x in d), d
         t = r["teacher"]  # a trained teacher (MoE), not random weights: it knows the task
         assert t["eval_nll"] < 0.5 * t["student_eval_nll"], t

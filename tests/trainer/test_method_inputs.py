@@ -124,8 +124,11 @@ def cfg_with(**sections) -> dict:
         ({"environment": {"max_turns": 0}}, "environment.max_turns=0"),
         ({"environment": {"feedback": "{answer}"}}, "environment.feedback"),
         (
-            {"objective": {"policy_loss": "none", "distill": "forward_kl", "distill_coef": 1.0}},
-            "objective.distill='forward_kl' needs the teacher's full-vocabulary logits",
+            {
+                "objective": {"policy_loss": "none", "distill": "forward_kl", "distill_coef": 1.0},
+                "teacher": {"source": "engine", "urls": ["http://127.0.0.1:1"]},
+            },
+            "objective.distill='forward_kl' needs the teacher's full-vocabulary logits, which only",
         ),
         ({"teacher": {"hf_dirr": "x"}}, "unknown key teacher.hf_dirr"),
     ],
@@ -150,6 +153,7 @@ def test_bad_method_sections_name_the_key(section, msg):
         ("core-dapo", set()),
         ("taco", set()),
         ("core-onpolicy-distill", {"teacher_logprobs"}),
+        ("core-distill-full-vocab", {"teacher_logits"}),
     ],
 )
 def test_required_inputs_of_the_examples(name, want):
