@@ -5,6 +5,8 @@ Each row: ``{"prompt": ..., "answer": ..., "task": ...}``. Tasks:
 - ``reverse``: reverse a string of ``digits`` digits: ``"R 4071="`` -> ``"1704"``.
 - ``add``: add two numbers of up to ``digits`` digits: ``"25+17="`` -> ``"42"``.
 - ``copy``: repeat the digits: ``"C 4071="`` -> ``"4071"``.
+- ``grid``: a ``digits`` x ``digits`` board for the grid game (``environment.name: grid``,
+  megarl/rollout/grid_env.py): ``"grid 4 at 0,0 goal 2,3 walls 1,1 2,2:"`` -> ``"2,3"`` (the goal).
 
 Train and eval sets are disjoint (eval rows are drawn first and excluded from train).
 """
@@ -15,6 +17,8 @@ import json
 import os
 import random
 from pathlib import Path
+
+from megarl.data.grid import random_board
 
 
 def _reverse(rng: random.Random, digits: int) -> tuple[str, str]:
@@ -32,7 +36,7 @@ def _add(rng: random.Random, digits: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
-TASKS = {"reverse": _reverse, "add": _add, "copy": _copy}
+TASKS = {"reverse": _reverse, "add": _add, "copy": _copy, "grid": random_board}
 
 
 def generate_task_files(

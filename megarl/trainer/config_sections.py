@@ -88,7 +88,7 @@ class DataConfig:
     system_prompt: str | None = None  # chat_template: an optional system turn before the user turn
     on_bad_row: Literal["fatal", "skip"] = "fatal"
     max_bad_rows: int = 10  # with on_bad_row=skip: more bad rows than this is fatal
-    generate: dict | None = None  # {task: reverse|add|copy, ...} see megarl.data.tasks
+    generate: dict | None = None  # {task: reverse|add|copy|grid, ...} see megarl.data.tasks
 
 
 @dataclass
@@ -165,9 +165,10 @@ class EnvironmentConfig:
     sample. ``retry``: a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``)
     as an observation and another turn, up to ``max_turns``; the episode's outcome is its last
     answer's reward. ``tools``: the model may call tools (``<tool_call>`` JSON; a calculator) and
-    gets their results as observations until it answers, up to ``max_turns`` turns."""
+    gets their results as observations until it answers, up to ``max_turns`` turns. ``grid``: a text
+    game, one move per turn on a small board with per-turn rewards (docs/agents.md#the-grid-game)."""
 
-    name: str = "none"  # a WORKFLOWS name: none (single turn), retry (wrong: one more turn), tools
+    name: str = "none"  # a WORKFLOWS name: none (single turn), retry (wrong: one more turn), tools, grid
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
 

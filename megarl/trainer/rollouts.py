@@ -21,7 +21,8 @@ from megarl.data.dataset import PromptRow
 @dataclass
 class SampleRecord:
     """One finished sample: ``token_ids``/``logprobs`` [R]; ``text``: what was scored; ``loss_mask``
-    [R] and ``turn_spans`` for multi-turn episodes; ``version``: the oldest policy version that
+    [R], ``turn_spans`` and ``turn_rewards`` (one per assistant turn) for multi-turn episodes;
+    ``version``: the oldest policy version that
     generated any of its tokens; ``mixed``: generated across a weight update."""
 
     token_ids: list[int]
@@ -33,6 +34,7 @@ class SampleRecord:
     text: str = ""
     loss_mask: list[float] | None = None
     turn_spans: list | None = None
+    turn_rewards: list[float] | None = None
 
 
 @dataclass
@@ -128,6 +130,7 @@ class Rollouts:
     extras: dict[str, list[float]] = field(default_factory=dict)
     response_masks: list = field(default_factory=list)  # multi-turn: per sample [R] 1 on answer tokens
     turn_spans: list = field(default_factory=list)  # multi-turn: per sample [(start, end, role)]
+    turn_rewards: list = field(default_factory=list)  # multi-turn: per sample [reward of each assistant turn]
     versions: list[int] = field(default_factory=list)
 
 
@@ -151,6 +154,7 @@ def rollouts_from_groups(
         if multi_turn:
             ro.response_masks += [s.loss_mask for s in g.samples]
             ro.turn_spans += [s.turn_spans for s in g.samples]
+            ro.turn_rewards += [s.turn_rewards or [] for s in g.samples]
         for name, v in g.extras.items():
             ro.extras.setdefault(name, []).extend(v)
         for name in ro.reward_dims:
@@ -185,7 +189,8 @@ def apply_episode_structure(
 
 def build_batch(ro: Rollouts, step: int) -> PackedBatch:
     """The packed batch of ``ro``: rollout logprobs (0 on prompts, clamped <= 0), per-sample policy
-    versions (``step - 1`` when ``ro.versions`` is empty), multi-turn structure when present."""
+    versions (``step - 1`` when ``ro.versions`` is empty), multi-turn structure when present
+    (``turn_spans``, and ``extras["turn_rewards"]`` [B, S] when the environment gave turn rewards)."""
     lp: list[float] = []
     for p, r_lp in zip(ro.prompt_ids, ro.rollout_logprobs):
         lp += [0.0] * len(p) + [min(x, 0.0) for x in r_lp]
@@ -207,4 +212,10 @@ def build_batch(ro: Rollouts, step: int) -> PackedBatch:
     )
     if ro.turn_spans:  # multi-turn episodes: observations out of the loss, the turn structure kept
         apply_episode_structure(batch, ro.response_masks, ro.turn_spans)
+    if any(ro.turn_rewards):  # the environment's per-turn rewards: [B, S], 0 past a sequence's turns
+        S = max(len(r) for r in ro.turn_rewards)
+        tr = torch.zeros(B, S, dtype=torch.float64)
+        for i, r in enumerate(ro.turn_rewards):
+            tr[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
+        batch.extras["turn_rewards"] = tr
     return batch
