@@ -26,6 +26,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.plugin.core_inputs",
     "megarl.rollout.workflow",
     "megarl.rollout.tool_env",
+    "megarl.rollout.grid_env",
 )
 
 # method name -> "module:attr" of its MethodSpec
@@ -62,6 +63,7 @@ METHODS: dict[str, str] = {
     "cedar": "megarl.rewards.shaping.cedar:SPEC",
     "reward_floor": "megarl.rewards.shaping.reward_floor:SPEC",
     "rubric_dropout": "megarl.rewards.shaping.rubric_dropout:SPEC",
+    "sara": "megarl.methods.allocation.sara:SPEC",
     "es": "megarl.methods.gradients.es:SPEC",
     "3po": "megarl.methods.gradients.three_po:SPEC",
     "gupo": "megarl.methods.gradients.gupo:SPEC",

@@ -60,10 +60,13 @@ class ShardedState(Protocol):
 @dataclass
 class MethodParts:
     """What a method adds to a run beyond the registered objective parts it names in ``config``:
-    rank 0's round processors (after the reward shaper) and step hooks."""
+    rank 0's round processors (after the reward shaper) and step hooks, and the run's rollout
+    allocator (an ``Allocator`` or a ``StreamingAllocator``, megarl/plugin/allocation.py; None: the
+    one ``sampling`` configures). Its state is saved in checkpoints like a round processor's."""
 
     round_processors: list[Any] = field(default_factory=list)
     step_hooks: list[Any] = field(default_factory=list)
+    allocator: Any = None
 
 
 @dataclass(frozen=True)

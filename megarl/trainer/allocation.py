@@ -4,7 +4,12 @@ An ``Allocator`` is asked, after each rollout round, which of the round's groups
 whether to sample another round. Built in: ``FixedAllocation`` (one round of
 ``prompts_per_step`` prompts, every group kept) and ``DynamicSampling`` (DAPO: groups whose
 rewards are all equal are dropped and more prompts are sampled, up to ``max_rounds`` rounds).
-Per-prompt adaptive allocators plug in here through ``ALLOCATORS``.
+
+A ``StreamingAllocator`` decides per prompt instead of per round: the rollout collector's streaming
+scheduler (megarl/trainer/streaming.py) shows it each prompt's outcomes as its samples land and asks
+for a ``target`` (how many samples the prompt should have in all; ``n`` commits the group) or
+``ABANDON``; fresh prompts are opened while the step's budget allows. A method contributes one
+through ``MethodParts.allocator`` (docs/allocation.md).
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from typing import Protocol
 
 import torch
 
+from megarl.plugin.allocation import ABANDON, PromptView, StepBudget, StreamingAllocator
 from megarl.registry import Registry
+
+__all__ = ["ABANDON", "ALLOCATORS", "Allocator", "PromptView", "StepBudget", "StreamingAllocator"]
 
 
 class Allocator(Protocol):

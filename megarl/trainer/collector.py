@@ -1,7 +1,8 @@
 """The rollout collector: sample -> generate -> score -> shape -> filter, for both loops.
 
 One ``RolloutCollector`` per run on rank 0. ``await collect(step)`` builds the groups of one step:
-the allocator decides how many prompts each round samples and which groups stay; the workflow
+the allocator decides how many prompts each round samples and which groups stay (a streaming
+allocator instead decides per prompt as samples land: megarl/trainer/streaming.py); the workflow
 turns each prompt into ``n`` trajectories through the engine; the run's reward functions score
 them; the round processors (reward shaping, judges, method scores) run in order. The synchronous
 loop runs it to completion per step; the asynchronous loop runs it ahead in its producer thread
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from megarl.plugin.rounds import RolloutRound
+from megarl.trainer.allocation import StreamingAllocator
 from megarl.trainer.rollouts import CollectedBatch, GroupRecord, SampleRecord
 
 
@@ -63,6 +65,12 @@ def empty_stats() -> dict:
         "errors": 0,
         "timeouts": 0,
         "worker_deaths": 0,
+        "budget_samples": 0,
+        "budget_tokens": 0,
+        "budget_samples_effective": 0,
+        "budget_tokens_effective": 0,
+        "budget_groups_effective": 0,
+        "budget_fixed": 0,
         "method": {},
     }
 
@@ -106,6 +114,10 @@ class RolloutCollector:
 
     async def collect(self, step: int) -> CollectedBatch:
         """The kept groups of ``step`` and the step's rollout statistics."""
+        if isinstance(self.allocator, StreamingAllocator):
+            from megarl.trainer.streaming import StreamingScheduler
+
+            return await StreamingScheduler(self, self.allocator).collect(step)
         stats = empty_stats()
         kept: list[GroupRecord] = []
         rnd = 0
@@ -115,13 +127,17 @@ class RolloutCollector:
             for g in groups:
                 stats["groups_seen"] += 1
                 vals = torch.tensor(g.rewards, dtype=torch.float64)
-                stats["groups_zero_var"] += int(bool((vals == vals[0]).all()))
+                zero_var = bool((vals == vals[0]).all())
+                stats["groups_zero_var"] += int(zero_var)
+                count_samples(stats, g, issued=True)
                 if self.allocator.keep(vals):
                     kept.append(g)
+                    count_samples(stats, g, effective=not zero_var)
             rnd += 1
             stats["rounds"] = rnd
             if not self.allocator.more(len(kept), rnd):
                 break
+        stats["budget_fixed"] = self.allocator.want * self.n
         return CollectedBatch(step=step, groups=kept, stats=stats)
 
     async def regenerate(self, group: GroupRecord, step: int) -> GroupRecord:
@@ -129,6 +145,25 @@ class RolloutCollector:
         stats = empty_stats()
         (new,) = await self._round([group.uid], step, 100 + group.rnd, stats, first_index=group.index)
         return new
+
+    def records(self, trajs: list, v0: int, v1: int) -> list[SampleRecord]:
+        """A prompt's trajectories as sample records (``v0``/``v1``: the policy version before and
+        after they were generated, for samples that carry none)."""
+        return [
+            SampleRecord(
+                t.token_ids,
+                t.logprobs,
+                t.finish_reason,
+                v0 if t.version is None else t.version,
+                mixed=t.mixed or (t.version is None and v1 != v0),
+                truncated=t.truncated,
+                text=self.tok.decode(t.token_ids) if t.text is None else t.text,
+                loss_mask=t.loss_mask,
+                turn_spans=t.turn_spans,
+                turn_rewards=t.turn_rewards,
+            )
+            for t in trajs
+        ]
 
     async def _round(
         self, uids: list[int], step: int, rnd: int, stats: dict, first_index: int = 0
@@ -150,35 +185,30 @@ class RolloutCollector:
         t0 = time.time()
         groups = []
         for i, (uid, row, p, ts) in enumerate(zip(uids, rows, prompt_ids, trajs)):
-            samples = [
-                SampleRecord(
-                    t.token_ids,
-                    t.logprobs,
-                    t.finish_reason,
-                    v0 if t.version is None else t.version,
-                    mixed=t.mixed or (t.version is None and v1 != v0),
-                    truncated=t.truncated,
-                    text=self.tok.decode(t.token_ids) if t.text is None else t.text,
-                    loss_mask=t.loss_mask,
-                    turn_spans=t.turn_spans,
-                )
-                for t in ts
-            ]
+            samples = self.records(ts, v0, v1)
             stats["gen_tokens"] += sum(len(s.token_ids) for s in samples)
             groups.append(GroupRecord(row, uid, p, samples, rnd=rnd, index=first_index + i))
         texts = [s.text for g in groups for s in g.samples]
         answers = [g.row.answer for g in groups for _ in g.samples]
         rr = await asyncio.to_thread(self.rewards, texts, answers)
+        await self.process(groups, rr, step, rnd, stats)
+        stats["reward_time"] += time.time() - t0
+        return groups
+
+    async def process(self, groups: list[GroupRecord], rr: Any, step: int, rnd: int, stats: dict) -> None:
+        """Fill ``groups``' rewards from their samples' ``RewardResult`` ``rr`` (in group order) after
+        the round processors (shaping, judges, method scores) ran over them as one round."""
         stats["errors"] += rr.errors
         stats["timeouts"] += rr.timeouts
         stats["worker_deaths"] += rr.worker_deaths
         for f in rr.failures[:2]:
             self.log(f"megarl train: reward failure contained ({f}); fallback {self.fallback}")
+        texts = [s.text for g in groups for s in g.samples]
         r = RolloutRound(
-            [row.prompt for row in rows],
-            [row.answer for row in rows],
-            list(uids),
-            prompt_ids,
+            [g.row.prompt for g in groups],
+            [g.row.answer for g in groups],
+            [g.uid for g in groups],
+            [g.prompt_ids for g in groups],
             [s.token_ids for g in groups for s in g.samples],
             texts,
             dict(rr.dims),
@@ -196,7 +226,6 @@ class RolloutCollector:
                 r.scalar = out.scalar.to(torch.float32)
             extras.update(out.extras)
             stats["method"].update(out.metrics)
-        stats["reward_time"] += time.time() - t0
         k = 0
         for g in groups:
             sl = slice(k, k + len(g.samples))
@@ -204,4 +233,16 @@ class RolloutCollector:
             g.reward_dims = {name: v[sl].tolist() for name, v in rr.dims.items()}
             g.extras = {name: list(v[sl]) for name, v in extras.items()}
             k += len(g.samples)
-        return groups
+
+
+def count_samples(stats: dict, g: GroupRecord, issued: bool = False, effective: bool = False) -> None:
+    """Add group ``g``'s samples and tokens to the step's budget counters: ``issued`` (generated)
+    or ``effective`` (in the batch, in a group whose rewards differ: a non-zero gradient)."""
+    tokens = sum(len(s.token_ids) for s in g.samples)
+    if issued:
+        stats["budget_samples"] += len(g.samples)
+        stats["budget_tokens"] += tokens
+    if effective:
+        stats["budget_samples_effective"] += len(g.samples)
+        stats["budget_tokens_effective"] += tokens
+        stats["budget_groups_effective"] += 1

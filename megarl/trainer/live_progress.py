@@ -19,12 +19,15 @@ from megarl.trainer.metrics import Progress
 
 
 def bar_postfix(rec: dict) -> str:
-    """The short numbers beside the bar: reward, accuracy, staleness (each only when present)."""
+    """The short numbers beside the bar: reward, accuracy, staleness, samples spent and their
+    effective fraction (each only when present)."""
     parts = []
     for key, label, fmt in (
         ("reward/mean", "reward", "{:.3f}"),
         ("rollout/accuracy", "acc", "{:.3f}"),
         ("async/staleness_max", "stale", "{:d}"),
+        ("budget/samples", "samples", "{:d}"),
+        ("budget/effective_frac", "eff", "{:.2f}"),
     ):
         v = rec.get(key)
         if isinstance(v, (int, float)):

@@ -106,6 +106,7 @@ class MethodRuntime:
     batch_fillers: list = field(default_factory=list)
     round_processors: list = field(default_factory=list)
     step_hooks: list = field(default_factory=list)
+    allocator: Any = None  # the method's rollout allocator (rank 0), None: the configured one
 
     # ------------------------------------------------------------------ building
     @staticmethod
@@ -145,6 +146,7 @@ class MethodRuntime:
             parts: MethodParts = spec.build(ctx, method_knobs)
             if ctx.rank0:
                 self.round_processors += parts.round_processors
+                self.allocator = parts.allocator
             self.step_hooks += parts.step_hooks
 
     # ------------------------------------------------------------------ using
@@ -187,12 +189,16 @@ class MethodRuntime:
             part.load_sharded(ckpt / name)
 
     def state_dict(self) -> dict:
-        """The estimator's state and every round processor's and hook's (rank 0's view)."""
-        return {
+        """The estimator's state, every round processor's and hook's, and the method allocator's
+        (rank 0's view)."""
+        out = {
             "estimator": None if self.advantages.state is None else self.advantages.state.state_dict(),
             "round_processors": [p.state_dict() for p in self.round_processors],
             "step_hooks": [h.state_dict() for h in self.step_hooks],
         }
+        if hasattr(self.allocator, "state_dict"):
+            out["allocator"] = self.allocator.state_dict()
+        return out
 
     def load_state_dict(self, state: dict, rank0: bool = True) -> None:
         """Restore ``state_dict()`` (round processors exist on rank 0 only); a mismatch names what differs."""
@@ -216,6 +222,13 @@ class MethodRuntime:
                 )
             for part, st in zip(parts, saved):
                 part.load_state_dict(st)
+        if rank0 and hasattr(self.allocator, "load_state_dict"):
+            if "allocator" not in state:
+                raise ValueError(
+                    f"checkpoint method state has no allocator state, but this run's method has an "
+                    f"allocator ({type(self.allocator).__name__})"
+                )
+            self.allocator.load_state_dict(state["allocator"])
 
 
 def _providers(wanted: dict[str, str]) -> list[tuple[Any, list[str]]]:

@@ -152,6 +152,11 @@ class Run:
         self.collector = None
         if not self.rank0:
             return
+        if self.method.allocator is not None and cfg.sampling.dynamic:
+            raise ConfigError(
+                f"sampling.dynamic=true and method {self.spec.name!r} brings its own rollout allocator; "
+                "set sampling.dynamic: false"
+            )
 
         def score(text: str, answer: str) -> tuple[float, bool]:
             res = self.rewards([text], [answer])
@@ -172,7 +177,7 @@ class Run:
             rewards=self.rewards,
             workflow=WORKFLOWS.get(cfg.environment.name)(wctx),
             processors=self.method.round_processors,
-            allocator=allocator_from_config(cfg),
+            allocator=self.method.allocator or allocator_from_config(cfg),
             sampling=self.sampling_params,
             n=cfg.rollout.n,
             weights={f.name: float(f.weight) for f in cfg.reward.functions},

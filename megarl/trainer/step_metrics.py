@@ -14,7 +14,7 @@ from megarl.trainer.setup import log
 
 def rollout_metrics(run: Any, ro: Rollouts, rs: dict) -> dict:
     """Rewards per dimension, the accuracy of the samples (``rollout/accuracy``), lengths,
-    truncation, dynamic-sampling and reward-failure counters; the round processors' metrics and any
+    truncation, dynamic-sampling, budget and reward-failure counters; the round processors' metrics and any
     the rollout source added (``rs["async"]``)."""
     run.failures_total["errors"] += rs["errors"]
     run.failures_total["timeouts"] += rs["timeouts"]
@@ -56,9 +56,28 @@ def rollout_metrics(run: Any, ro: Rollouts, rs: dict) -> dict:
             "reward/fn_timeouts_total": run.failures_total["timeouts"],
         }
     )
+    rec.update(budget_metrics(rs))
     rec.update(rs.get("method", {}))
     rec.update(rs.get("async", {}))
     return rec
+
+
+def budget_metrics(rs: dict) -> dict:
+    """The step's rollout spend: samples and tokens generated, those in groups with a non-zero
+    gradient (rewards that differ), and the samples saved against the fixed allocation
+    (``prompts_per_step`` groups of ``n``; negative when the step spent more)."""
+    if "budget_samples" not in rs:  # statistics of a checkpoint written before budget counters
+        return {}
+    s, fixed = rs["budget_samples"], rs["budget_fixed"]
+    return {
+        "budget/samples": s,
+        "budget/tokens": rs["budget_tokens"],
+        "budget/samples_effective": rs["budget_samples_effective"],
+        "budget/tokens_effective": rs["budget_tokens_effective"],
+        "budget/groups_effective": rs["budget_groups_effective"],
+        "budget/effective_frac": rs["budget_samples_effective"] / max(s, 1),
+        "budget/samples_saved_vs_fixed": fixed - s,
+    }
 
 
 def batch_metrics(batch) -> dict:

@@ -176,6 +176,8 @@ def _state_summary(run) -> dict:
         summary[names.get(type(proc).__name__, type(proc).__name__)] = sorted(st)
     if meth["step_hooks"]:
         summary["step_hooks"] = [sorted(h) for h in meth["step_hooks"]]
+    if "allocator" in meth:  # restored above into the fresh run's allocator
+        summary["allocator"] = sorted(meth["allocator"])
     return {"objective": sorted(obj), "method": summary}
 
 

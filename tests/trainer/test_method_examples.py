@@ -94,6 +94,9 @@ def _any(r: dict, key: str) -> list:
 # method-specific evidence that the method's inputs reached it (beyond the generic checks)
 def check_signal(name: str, r: dict) -> None:
     st = r["state"]
+    if name == "sara":  # streaming allocation: per-prompt decisions, history checkpointed
+        assert st["method"]["allocator"] == ["history", "mu", "totals"], st
+        assert len(_any(r, "alloc/prompts_opened")) == STEPS and len(_any(r, "budget/samples")) == STEPS
     if name == "gepo":
         assert st["method"]["inputs"] == ["estimator"], st  # the entropy history is checkpointed
         assert _any(r, "adv/gepo_h_mean") and _any(r, "rollout/entropy_old")

@@ -3,3 +3,5 @@ curricula, data selection, rollout acceleration).
 
 Importing this package registers the family's allocators and parts.
 """
+
+from megarl.methods.allocation import sara  # noqa: F401

@@ -1,0 +1,73 @@
+"""The streaming allocation seam: what a per-prompt allocator sees and decides.
+
+The rollout collector's streaming scheduler (megarl/trainer/streaming.py) runs a step with a
+``StreamingAllocator``: it opens prompts while the step's ``StepBudget`` allows, shows the allocator
+each prompt's outcomes as its samples land (``PromptView``) and carries out its decision: a target
+number of samples for the prompt (``n`` commits the group) or ``ABANDON``. A method contributes its
+allocator through ``MethodParts.allocator`` (docs/allocation.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+ABANDON = -1  # a streaming allocator's decision: drop the prompt, abort its requests in flight
+
+
+@dataclass(frozen=True)
+class PromptView:
+    """What a streaming allocator sees of one prompt of the step.
+
+    uid: its dataset row; slot: the order it was opened in this step; outcomes: 1.0 / 0.0 per
+    landed sample, in the order the samples were issued (the correctness check's verdict, or
+    reward > 0 when the run has none); rewards: the samples' scalar rewards (before shaping) in the
+    same order; n: the group size a committed prompt gets.
+    """
+
+    uid: int
+    slot: int
+    outcomes: tuple[float, ...]
+    rewards: tuple[float, ...]
+    n: int
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """The most one step may spend: ``samples`` (issued samples) and ``tokens`` (generated tokens;
+    an issued sample is charged ``max_new_tokens`` until it lands; None: no token budget)."""
+
+    samples: int
+    tokens: int | None = None
+
+
+@runtime_checkable
+class StreamingAllocator(Protocol):
+    """Per-prompt decisions within a step budget (see the module docstring).
+
+    ``decide`` must depend only on the view and on state changed by ``end_step`` (never on timing),
+    so that a resumed run makes the same decisions. ``decide`` runs after each request lands (in
+    issue order); with ``request_size`` smaller than a decision's new samples it can run while the
+    prompt still has requests in flight, and ``ABANDON`` then aborts them. ``end_step`` gets every
+    prompt the step opened as ``(view, committed)`` and updates the allocator's history; its state
+    goes in checkpoints.
+    """
+
+    want: int
+    request_size: int  # samples per engine request (0: one request per decision)
+
+    def budget(self, n: int, max_new_tokens: int) -> StepBudget:
+        """The step's budget for groups of ``n`` samples of at most ``max_new_tokens`` tokens."""
+        ...
+
+    def decide(self, view: PromptView) -> int:
+        """The prompt's target number of samples (> landed, <= n; n commits) or ``ABANDON``."""
+        ...
+
+    def end_step(self, step: int, prompts: list[tuple[PromptView, bool]]) -> dict[str, float]:
+        """Update the history with the step's prompts (committed or not); return metrics."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...

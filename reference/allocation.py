@@ -1,0 +1,153 @@
+"""Rollout allocation (method family 6): the allocators' decisions as plain functions.
+
+Every function takes counts and knobs and returns a number or a decision; ``simulate_step`` replays
+one step of streaming allocation (megarl/trainer/streaming.py) sequentially over known outcomes.
+Decisions: a target number of samples for a prompt (``n`` commits its group) or ``ABANDON``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+ABANDON = -1
+
+
+# ------------------------------------------------------------------------------------ SARA
+def sara_prior(
+    hist_s: float, hist_f: float, prior_a: float = 1.0, prior_b: float = 1.0
+) -> tuple[float, float]:
+    """SARA's prior Beta(a0, b0) of a prompt: the base prior plus its (decayed) past successes and
+    failures. Provenance: RECONSTRUCTED (the abstract says "prior from history, or Beta(1,1)")."""
+    return prior_a + hist_s, prior_b + hist_f
+
+
+def sara_pooled_prior(mu: float, strength: float, clamp: float = 0.02) -> tuple[float, float]:
+    """SARA's empirical-Bayes base prior Beta(k mu, k (1 - mu)) from the running success rate ``mu``
+    (kept in [clamp, 1 - clamp]) of all samples. Provenance: RECONSTRUCTED (our choice of base prior
+    for prompts without history; not in the abstract)."""
+    mu = min(max(mu, clamp), 1.0 - clamp)
+    return strength * mu, strength * (1.0 - mu)
+
+
+def sara_running_rate(mu: float | None, rate: float, decay: float) -> float:
+    """The running success rate after a step whose samples succeeded at ``rate``. RECONSTRUCTED."""
+    return rate if mu is None else decay * mu + (1.0 - decay) * rate
+
+
+def sara_history(hist_s: float, hist_f: float, s: int, f: int, decay: float) -> tuple[float, float]:
+    """A prompt's history after a step that saw ``s`` successes and ``f`` failures: old counts are
+    multiplied by ``decay`` (0: only the latest step counts; 1: all steps count alike). RECONSTRUCTED."""
+    return decay * hist_s + s, decay * hist_f + f
+
+
+def sara_effectiveness(s: int, f: int, a0: float, b0: float, n: int) -> float:
+    """P(the group of ``n`` ends with mixed outcomes | s successes, f failures so far), under the
+    posterior Beta(a0 + s, b0 + f):
+
+        1 if s > 0 and f > 0;
+        1 - E[p^m]      = 1 - prod_{j<m} (a + j) / (a + b + j)   if f == 0 (m = n - s - f);
+        1 - E[(1-p)^m]  = 1 - prod_{j<m} (b + j) / (a + b + j)   if s == 0.
+
+    With s == f == 0 the group is mixed unless all n agree: 1 - E[p^n] - E[(1-p)^n].
+    Provenance: RECONSTRUCTED (Beta moments; the abstract names a closed-form predictor).
+    """
+    if s > 0 and f > 0:
+        return 1.0
+    a, b, m = a0 + s, b0 + f, n - s - f
+    all_s = all_f = 1.0
+    for j in range(m):
+        all_s *= (a + j) / (a + b + j)
+        all_f *= (b + j) / (a + b + j)
+    if s == 0 and f == 0:
+        return 1.0 - all_s - all_f
+    return 1.0 - (all_s if f == 0 else all_f)
+
+
+def sara_decide(
+    outcomes: Sequence[float],
+    n: int,
+    a0: float,
+    b0: float,
+    probe: int = 2,
+    tau_lo: float = 0.2,
+    tau_hi: float = 0.8,
+    rewards: Sequence[float] = (),
+) -> int:
+    """SARA's two-threshold rule on a prompt's landed outcomes (1 success, 0 failure).
+
+    Mixed outcomes, or scalar ``rewards`` that already differ (a shaped reward): commit (``n``), also
+    before the probe ends. Fewer than ``probe`` landed: sample
+    up to the probe. Else with
+    P_eff = ``sara_effectiveness``: abandon if P_eff <= tau_lo, commit if P_eff >= tau_hi, otherwise
+    one more sample. Provenance: RECONSTRUCTED (SPRT-style two thresholds, from the abstract).
+    """
+    k = len(outcomes)
+    s = int(sum(1 for o in outcomes if o > 0.5))
+    f = k - s
+    if (s > 0 and f > 0) or len(set(rewards)) > 1:
+        return n
+    if k < probe:
+        return min(probe, n)
+    p_eff = sara_effectiveness(s, f, a0, b0, n)
+    if p_eff <= tau_lo:
+        return ABANDON
+    if p_eff >= tau_hi:
+        return n
+    return k + 1
+
+
+# ------------------------------------------------------------------------------------ the scheduler
+def simulate_step(
+    decide: Callable[[int, list[float]], int],
+    outcomes: Callable[[int, int], float],
+    n: int,
+    want: int,
+    budget: int,
+    request_size: int = 0,
+) -> list[tuple[str, int, list[float]]]:
+    """One step of streaming allocation, sequentially, over known outcomes.
+
+    ``decide(slot, landed_outcomes)`` -> target or ``ABANDON``; ``outcomes(slot, j)``: the j-th
+    sample's outcome of slot ``slot``. A decision's new samples go out as requests of
+    ``request_size`` samples (0: one request); ``decide`` runs after each request lands, in issue
+    order, until the slot has ``n`` outcomes (committed) or is abandoned (its samples in flight
+    are charged). A slot is opened while fewer than ``want`` slots are committed or open and ``n``
+    more samples fit in ``budget`` next to the open slots' ``n`` and the closed slots' spend
+    (committed: ``n``; abandoned: the samples issued). Returns per opened slot (state, samples
+    issued, outcomes seen), in slot order: what the concurrent scheduler ends with whatever order
+    samples land in, because a slot's decisions depend only on its own outcomes and both the
+    reservations and the count of live slots only shrink as slots close.
+    """
+    out: list[tuple[str, int, list[float]]] = []
+    committed = spent = 0
+    while committed < want and spent + n <= budget:
+        slot = len(out)
+        seen: list[float] = []
+        requests: list[int] = []
+        landed = issued = 0
+        target = decide(slot, [])
+        while True:
+            if target == ABANDON:
+                state = "abandoned"
+                break
+            if not (len(seen) < target <= n):
+                raise ValueError(f"target {target} with {len(seen)} of {n} landed")
+            while issued < target:
+                size = min(request_size or target - issued, target - issued)
+                requests.append(size)
+                issued += size
+            seen += [outcomes(slot, j) for j in range(len(seen), len(seen) + requests[landed])]
+            landed += 1
+            if len(seen) >= n:
+                state = "committed"
+                break
+            target = decide(slot, list(seen))
+        out.append((state, issued, seen))
+        committed += state == "committed"
+        spent += n if state == "committed" else issued
+    return out
+
+
+def effective(outcomes: Sequence[float]) -> bool:
+    """A group with a non-zero GRPO gradient: its outcomes differ."""
+    return len(set(outcomes)) > 1
