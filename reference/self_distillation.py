@@ -132,3 +132,52 @@ def sc_grpo_advantages(
     a = grpo(rewards, group_ids, scale_by_std)
     w = sc_grpo_weights(sc_token_kl(teacher_logp, old_logp, direction), mask, on, power, w_max)
     return a[:, None] * w
+
+
+# ----------------------------------------------------------------------------------- U-OPSD
+# U-OPSD (reconstructed; the selection rule is SSOPD's with the verifier replaced by a majority vote):
+#   â = the most frequent parsed answer of the group (ties: first seen); v = its share of G
+#   C = {i: ans_i = â}, W = {i: ans_i ≠ â}; skip the group if v < τ or W = ∅
+#   teacher context y_s = argmin_{i ∈ C} |y_i|, target y_w = argmax_{i ∈ W} |y_i| (ties: lowest index)
+#   L = mean over targets of (1/|y_w|) Σ_t w(x) sd_t,   w(x) = 4 (|C|/G)(1 − |C|/G) or 1
+#   sd_t = the sampled-token reverse KL toward the self-teacher conditioned on y_s (as I-SDPO)
+
+
+def uopsd_select(answers: list, lengths: list, min_vote: float) -> tuple:
+    """(index of y_s, index of y_w, |C| / G) of one group, or (None, None, |C| / G) when skipped.
+    ``answers``: parsed answers (None: unparsed, never agrees); ``lengths``: response lengths."""
+    counts: dict = {}
+    for a in answers:
+        if a is not None:
+            counts[a] = counts.get(a, 0) + 1
+    if not counts:
+        return None, None, 0.0
+    top = max(counts.values())
+    mode = next(a for a in answers if a is not None and counts[a] == top)
+    agree = [i for i, a in enumerate(answers) if a == mode]
+    wrong = [i for i, a in enumerate(answers) if a != mode]
+    share = len(agree) / len(answers)
+    if share < min_vote or not wrong:
+        return None, None, share
+    s = min(agree, key=lambda i: (lengths[i], i))
+    w = max(wrong, key=lambda i: (lengths[i], -i))
+    return s, w, share
+
+
+def uopsd_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    target: torch.Tensor,
+    agree_share: torch.Tensor,
+    frontier: bool = False,
+    aggregation: str = "seq-mean-token-mean",
+) -> torch.Tensor:
+    """U-OPSD loss (comment above). target [B] bool (the y_w of each kept group), agree_share [B]
+    (|C| / G of the sequence's group)."""
+    logp = _logp(logits, tokens)
+    w = 4 * agree_share * (1 - agree_share) if frontier else torch.ones_like(agree_share)
+    sd = sampled_reverse_kl(logp, old_logp, teacher_logp) * w[:, None].to(logp.dtype)
+    return route_mean(sd, mask, target, aggregation)

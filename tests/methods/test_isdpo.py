@@ -73,7 +73,7 @@ def _reference(case, correct, on):
     return reference_method_loss_and_grad(case, fn)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(
     case=rl_cases(torch.float64, cfgs=CFGS),
     tp=st.sampled_from([1, 2]),

@@ -15,4 +15,5 @@ from megarl.methods.distillation import (
     self_routing,  # noqa: F401
     sc_grpo,  # noqa: F401
     self_teacher,  # noqa: F401
+    uopsd,  # noqa: F401
 )

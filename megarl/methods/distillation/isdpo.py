@@ -95,16 +95,24 @@ class ISDPOKnobs(Knobs):
     """No knobs of its own: λ_SD is ``objective.policy_loss_args.sd_coef``."""
 
 
-def build(ctx, knobs) -> MethodParts:
-    """Check that the loss's route normalisers follow the objective's aggregation."""
-    o = ctx.cfg.objective
-    mine = dict(o.policy_loss_args).get("aggregation", "token-mean")
-    if mine != o.aggregation:
-        raise ValueError(
-            f"objective.policy_loss_args.aggregation={mine!r} must equal objective.aggregation="
-            f"{o.aggregation!r} (each route is normalised the objective's way)"
-        )
-    return MethodParts()
+def route_aggregation_check(default: str):
+    """A method ``build`` that refuses ``objective.policy_loss_args.aggregation`` (``default`` when
+    unset) differing from ``objective.aggregation``: each route is normalised the objective's way."""
+
+    def build(ctx, knobs) -> MethodParts:
+        o = ctx.cfg.objective
+        mine = dict(o.policy_loss_args).get("aggregation", default)
+        if mine != o.aggregation:
+            raise ValueError(
+                f"objective.policy_loss_args.aggregation={mine!r} must equal objective.aggregation="
+                f"{o.aggregation!r} (each route is normalised the objective's way)"
+            )
+        return MethodParts()
+
+    return build
+
+
+build = route_aggregation_check("token-mean")
 
 
 SPEC = MethodSpec(

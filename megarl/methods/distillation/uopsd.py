@@ -1,0 +1,102 @@
+"""U-OPSD: label-free on-policy self-distillation. Per prompt, the majority answer of the group is
+the pseudo-label; the self-teacher reads the prompt with the *shortest* rollout that gives it and
+teaches the *longest* rollout that does not. Formula and provenance: reference/self_distillation.py
+(reconstructed; the selection rule is SSOPD's with the verifier replaced by the majority vote).
+
+Parts: the self-teacher's context (``inputs.self_teacher_context``: ``source: majority``, ``when:
+longest_incorrect``, ``min_vote`` = τ, ``answer_pattern``), the ``uopsd`` route rule (route 1
+``distil`` for groups with a target, route 0 ``skip``; the target is the one active sequence of its
+group) and the ``uopsd`` policy loss (sampled-token reverse KL toward the self-teacher on the
+targets, optionally weighted by the frontier weight 4 (|C|/G)(1 − |C|/G)). Nothing reads the ground
+truth, the rewards or the advantages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.methods.distillation.isdpo import AGGREGATIONS, route_aggregation_check
+from megarl.methods.distillation.routes import (
+    ROUTE_RULES,
+    RouteDecision,
+    group_routes,
+    prepare_routes,
+    route_scale,
+)
+from megarl.methods.distillation.self_teacher import CONTEXT, CORRECT, LOGPROBS, context_rows
+from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.ops.segments import group_mean
+from megarl.plugin.spec import MethodSpec
+from megarl.registry import PartInfo
+
+NAMES = ("skip", "distil")
+
+
+def targets(batch) -> torch.Tensor:
+    """[B] bool: the sequences with a self-teacher context (one per kept group)."""
+    return ~torch.isnan(context_rows(batch)).all(1)
+
+
+@ROUTE_RULES.register("uopsd")
+def uopsd_rule(batch) -> RouteDecision:
+    """Route 1 (distil) for groups with a target, 0 (skip) otherwise; only the target is active."""
+    t = targets(batch)
+    routes = group_routes(batch.group_ids, t, lambda x: int(bool(x.any())))
+    return RouteDecision(routes, NAMES, active=t)
+
+
+def _prepare(batch, dp_group, state, aggregation: str = "seq-mean-token-mean", frontier: bool = False):
+    return prepare_routes(batch, len(NAMES), dp_group)
+
+
+def uopsd_loss(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    cu_seqlens,
+    clip_low=0.0,
+    clip_high=0.0,
+    dual_clip=None,
+    aggregation: str = "seq-mean-token-mean",
+    frontier: bool = False,
+    batch=None,
+    ctx=None,
+):
+    """Per-token loss: route scale x frontier weight x sampled reverse KL toward the self-teacher,
+    on the targets only (``adv`` is not read: no label enters the loss)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"policy_loss_args.aggregation={aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+    teacher = getattr(batch, LOGPROBS)
+    if teacher is None or CORRECT not in batch.extras:
+        raise ValueError(f"policy_loss=uopsd needs '{LOGPROBS}' and extras['{CORRECT}'] (inputs.{CONTEXT})")
+    share = group_mean(batch.extras[CORRECT].double(), batch.group_ids)
+    w = 4 * share * (1 - share) if frontier else torch.ones_like(share)
+    w_tok = w.to(logp.dtype).repeat_interleave(batch.seq_lens)
+    sd = -(teacher.to(logp.dtype) - old_logp).detach() * torch.exp(logp - old_logp.detach())
+    return route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * w_tok * sd
+
+
+POLICY_LOSSES.add(
+    "uopsd",
+    uopsd_loss,
+    PartInfo(batch_inputs=("routes", LOGPROBS), prepare=_prepare, needs_context=True),
+)
+
+SPEC = MethodSpec(
+    name="uopsd",
+    summary="U-OPSD: the shortest majority-vote rollout in context teaches the longest dissenting one",
+    provenance="reconstructed",
+    config={
+        "objective": {
+            "policy_loss": "uopsd",
+            "aggregation": "seq-mean-token-mean",
+            "policy_loss_args": {"aggregation": "seq-mean-token-mean", "frontier": False},
+        },
+        "inputs": {
+            "routes": {"rule": "uopsd"},
+            "self_teacher_context": {"source": "majority", "when": "longest_incorrect", "min_vote": 0.5},
+        },
+    },
+    build=route_aggregation_check("seq-mean-token-mean"),
+)

@@ -1,0 +1,188 @@
+"""U-OPSD: megarl (routes prepared per DP shard, TP 1/2, DP 1/2, micro-batched) equals
+reference/self_distillation.py:uopsd_loss in loss and gradient; the self-teacher's context follows
+the reference selection (shortest majority rollout teaches the longest dissenting one, ties by
+index, skipped under min_vote or without dissent); the spec's invariants: no label enters the loss,
+skipped groups give zero loss, teacher = student gives zero loss, the teacher gets no gradient."""
+
+import asyncio
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference.self_distillation as ref
+from megarl.batch import from_sequences
+from megarl.data.tokenizer import CharTokenizer
+from megarl.methods.distillation.routes import set_routes
+from megarl.methods.distillation.self_teacher import CONTEXT, CORRECT, ContextKnobs, SelfTeacherContext
+from megarl.methods.distillation.uopsd import SPEC, uopsd_rule
+from megarl.objectives.api import GlobalNormalisers, LossContext
+from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
+from megarl.plugin.knobs import build_knobs
+from megarl.plugin.rounds import RolloutRound
+from megarl.testing.equivalence import split_sequences
+from tests.methods.helpers import load_example
+from tests.methods.trust_regions_harness import (
+    assert_equivalent,
+    megarl_method_loss_and_grad,
+    padded_inputs,
+    reference_method_loss_and_grad,
+)
+from tests.property.strategies import rl_cases
+
+AGGS = ("seq-mean-token-mean", "token-mean")
+CFGS = st.builds(
+    lambda agg, frontier: ObjectiveConfig(
+        policy_loss="uopsd", aggregation=agg, policy_loss_args={"aggregation": agg, "frontier": frontier}
+    ),
+    st.sampled_from(AGGS),
+    st.booleans(),
+)
+
+
+def _set_up(case, data, dp):
+    """Per group at most one target (a context row), majority-agreement bits; groups never straddle DP."""
+    b = case.batch
+    side = torch.zeros(b.num_seqs, dtype=torch.long)
+    for r, ids in enumerate(split_sequences(b.num_seqs, dp)):
+        side[ids] = r
+    b.group_ids = b.group_ids * dp + side
+    agree = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b.num_seqs, max_size=b.num_seqs)))
+    target = torch.zeros(b.num_seqs, dtype=torch.bool)
+    for g in torch.unique(b.group_ids):
+        members = (b.group_ids == g).nonzero()[:, 0].tolist()
+        pick = data.draw(st.sampled_from([None, *members]))
+        if pick is not None:
+            target[pick] = True
+    rows = torch.full((b.num_seqs, 3), math.nan, dtype=torch.float64)
+    rows[target, 0] = 1.0
+    b.self_teacher_logprobs = b.teacher_logprobs
+    b.extras = {CONTEXT: rows, CORRECT: agree.double()}
+    d = uopsd_rule(b)
+    set_routes(b, d.routes, d.active)
+    share = torch.tensor([float(agree[b.group_ids == g].double().mean()) for g in b.group_ids])
+    return target, share
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    case=rl_cases(torch.float64, cfgs=CFGS),
+    tp=st.sampled_from([1, 2]),
+    dp=st.sampled_from([1, 2]),
+    mb=st.integers(1, 3),
+    data=st.data(),
+)
+def test_matches_reference(case, tp, dp, mb, data):
+    target, share = _set_up(case, data, dp)
+    args = case.cfg.policy_loss_args
+
+    def fn(full, pad):
+        _, old, _, mask = padded_inputs(full, pad)
+        t = pad.per_token["self_teacher_logprobs"]
+        return ref.uopsd_loss(
+            full, pad.tokens, mask, old, t, target, share, args["frontier"], args["aggregation"]
+        )
+
+    assert_equivalent(
+        megarl_method_loss_and_grad(case, tp, dp, mb), reference_method_loss_and_grad(case, fn), case.logits
+    )
+
+
+TOK = CharTokenizer("0123456789+=RC ")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["1", "2", "3"]), st.integers(0, 3)), min_size=2, max_size=6),
+    st.sampled_from([0.0, 0.34, 0.5, 0.8]),
+)
+def test_context_follows_the_reference_selection(samples, min_vote):
+    texts = [a + " " * pad for a, pad in samples]  # the answer is the stripped text; lengths differ
+    n = len(texts)
+    r = RolloutRound(
+        prompts=["R 1="],
+        answers=["9"],  # never read
+        uids=[0],
+        prompt_ids=[TOK.encode("R 1=")],
+        response_ids=[TOK.encode(t, bos=False) for t in texts],
+        texts=texts,
+        dims={},
+        scalar=torch.zeros(n),
+        n=n,
+        step=1,
+        round=0,
+    )
+    knobs = {
+        "source": "majority",
+        "when": "longest_incorrect",
+        "min_vote": min_vote,
+        "template": "{solution}",
+    }
+    res = asyncio.run(SelfTeacherContext(TOK, build_knobs(ContextKnobs, knobs, "inputs.x")).process(r))
+    s, w, share = ref.uopsd_select([a for a, _ in samples], [len(t) for t in texts], min_vote)
+    rows = torch.as_tensor(res.extras[CONTEXT])
+    has = ~rows.isnan().all(1)
+    if w is None:
+        assert not bool(has.any())
+    else:
+        assert has.nonzero()[:, 0].tolist() == [w]
+        assert TOK.decode([int(x) for x in rows[w] if not math.isnan(x)]) == texts[s]
+    assert sum(res.extras[CORRECT]) / n == share
+
+
+def _loss_and_grad(b, logits, frontier=False):
+    cfg = ObjectiveConfig("uopsd", aggregation="seq-mean-token-mean", policy_loss_args={"frontier": frontier})
+    obj = build_objective(cfg)
+    b = obj.prepare(b)
+    x = logits.clone().requires_grad_(True)
+    out = obj(x, b, LossContext(GlobalNormalisers.from_batch(b)))
+    out.loss.backward()
+    return out.loss.detach(), x.grad
+
+
+def _batch(targets, seed=0, V=7):
+    g = torch.Generator().manual_seed(seed)
+    n = len(targets)
+    b = from_sequences([[1, 2]] * n, [[3, 4, 5][: 1 + i % 3] for i in range(n)], [i // 2 for i in range(n)])
+    logits = torch.randn(b.num_tokens, V, generator=g, dtype=torch.float64)
+    b.old_logprobs = torch.log_softmax(logits, -1)[torch.arange(b.num_tokens), b.tokens]
+    b.self_teacher_logprobs = (
+        b.old_logprobs - torch.rand(b.num_tokens, generator=g, dtype=torch.float64)
+    ).clamp(max=0)
+    b.rewards = torch.randn(n, generator=g, dtype=torch.float64)
+    b.advantages = torch.randn(b.num_tokens, generator=g, dtype=torch.float64) * b.loss_mask
+    rows = torch.full((n, 2), math.nan, dtype=torch.float64)
+    rows[torch.tensor(targets), 0] = 3.0
+    b.extras = {CONTEXT: rows, CORRECT: (~torch.tensor(targets)).double()}
+    d = uopsd_rule(b)
+    set_routes(b, d.routes, d.active)
+    return b, logits
+
+
+def test_no_label_enters_the_loss_and_skipped_groups_give_zero():
+    b, logits = _batch([False, True, False, False])
+    loss, grad = _loss_and_grad(b, logits)
+    assert float(loss) != 0.0 and bool(grad[b.cu_seqlens[1] : b.cu_seqlens[2]].abs().sum() > 0)
+    assert bool((grad[: b.cu_seqlens[1]] == 0).all()) and bool((grad[b.cu_seqlens[2] :] == 0).all())
+    b.rewards, b.advantages = -b.rewards, -3 * b.advantages  # poisoned labels
+    assert torch.equal(_loss_and_grad(b, logits)[0], loss)
+    b, logits = _batch([False, False, False, False])
+    loss, grad = _loss_and_grad(b, logits)
+    assert float(loss) == 0.0 and bool((grad == 0).all())
+
+
+def test_teacher_equal_to_student_gives_zero_and_the_teacher_gets_no_gradient():
+    b, logits = _batch([True, False, False, True])
+    b.self_teacher_logprobs = b.old_logprobs.clone()
+    loss, grad = _loss_and_grad(b, logits, frontier=True)
+    assert float(loss) == 0.0 and bool((grad == 0).all())
+    b.self_teacher_logprobs = (b.old_logprobs - 0.7).requires_grad_(True)
+    loss, _ = _loss_and_grad(b, logits)
+    assert float(loss) > 0 and b.self_teacher_logprobs.grad is None
+
+
+def test_example_and_spec():
+    cfg = load_example("uopsd")
+    assert cfg["method"]["name"] == "uopsd" and cfg["inputs"]["self_teacher_context"]["source"] == "majority"
+    assert SPEC.config["inputs"]["routes"]["rule"] == "uopsd"
