@@ -15,5 +15,6 @@ from megarl.methods.distillation import (
     self_routing,  # noqa: F401
     sc_grpo,  # noqa: F401
     self_teacher,  # noqa: F401
+    tide,  # noqa: F401
     uopsd,  # noqa: F401
 )
