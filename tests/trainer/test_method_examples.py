@@ -134,6 +134,8 @@ def check_signal(name: str, r: dict) -> None:
         assert len(d) == STEPS and any(x != 0 for x in d), d
         t = r["teacher"]  # a trained teacher (MoE), not random weights: it knows the task
         assert t["eval_nll"] < 0.5 * t["student_eval_nll"], t
+    elif name == "tide":  # only the TIDE term trains (no policy loss, no KL); its inputs reached it
+        assert len(_any(r, "train/reg/tide")) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
     elif name == "bounded-advantages":  # the plugin: its step hook ran and its state is checkpointed
         assert len(_any(r, "bounded/clipped_frac")) == STEPS and st["method"]["step_hooks"] == [
             ["clipped_total"]
