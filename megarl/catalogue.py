@@ -75,6 +75,7 @@ METHODS: dict[str, str] = {
     "ra_opd": "megarl.methods.distillation.ra_opd:SPEC",
     "rstg": "megarl.methods.distillation.rstg:SPEC",
     "self_routing": "megarl.methods.distillation.self_routing:SPEC",
+    "skald": "megarl.methods.distillation.skald:SPEC",
     "tide": "megarl.methods.distillation.tide:SPEC",
     "opdvr": "megarl.methods.distillation.opdvr:OPDVR",
     "grpd": "megarl.methods.distillation.opdvr:GRPD",

@@ -433,3 +433,54 @@ def tide_loss(
     sampled = slot(torch.exp(logp - old_logp.detach()), excess)
     injected = slot(torch.exp(lq_k - student_topk_old.detach()), deficit).sum(-1)
     return sampled + injected
+
+
+# ----------------------------------------------------------------------------------------------
+# SKALD: an annealed, exponentially tilted teacher cross-entropy behind a per-prompt gate.
+# Reconstructed from the abstract (the tilt that down-weights teacher-preferred tokens of very low
+# student likelihood, the annealing to the teacher cross-entropy, the gate on a positive teacher
+# advantage); the tilt's form, the linear schedule and the gates are this reconstruction's.
+# ----------------------------------------------------------------------------------------------
+
+
+def skald_beta(step: int, beta0: float, anneal_steps: int) -> float:
+    """β_t = β_0 · max(0, 1 − t / T_anneal); β_0 throughout when T_anneal = 0."""
+    return float(beta0) if anneal_steps <= 0 else float(beta0) * max(0.0, 1.0 - step / anneal_steps)
+
+
+def skald_tilted_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """L_β = −Σ_v w_β(v) log p_S(v),  w_β(v) = q_T(v) p_S(v)^β / Σ_u q_T(u) p_S(u)^β  (w stop-grad).
+
+    β = 0: the teacher cross-entropy −Σ q_T log p_S (gradient p_S − q_T w.r.t. the logits).
+    logits: [B, L, V] -> [B, L]"""
+    ls = torch.log_softmax(student_logits, -1)
+    lt = torch.log_softmax(teacher_logits, -1)
+    w = torch.softmax((lt + beta * ls).detach(), -1)
+    return -(w * ls).sum(-1)
+
+
+def skald_gate(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mode: str = "zero_variance",
+    teacher_acc: torch.Tensor | None = None,
+    margin: float = 0.0,
+    correct_threshold: float = 0.5,
+) -> torch.Tensor:
+    """[B] 1.0 where the sample's prompt is distilled. teacher_advantage: teacher_acc − (fraction of
+    the group's samples with reward > threshold) > margin; zero_variance: the group's rewards are all
+    equal; always: 1."""
+    out = torch.zeros(rewards.shape[0], dtype=torch.float64)
+    for g in group_ids.unique():
+        m = group_ids == g
+        if mode == "always":
+            out[m] = 1.0
+        elif mode == "zero_variance":
+            out[m] = float(bool((rewards[m] == rewards[m][0]).all()))
+        else:
+            assert teacher_acc is not None
+            acc = float((rewards[m] > correct_threshold).double().mean())
+            out[m] = ((teacher_acc[m].double() - acc) > margin).double()
+    return out

@@ -32,7 +32,7 @@ def quantile_entry(rank, group, payload):
     )
 
 
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(
     vals=st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=1, max_size=40),
     cut=st.integers(0, 40),

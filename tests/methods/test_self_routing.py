@@ -87,7 +87,7 @@ def _reference(case):
     return reference_method_loss_and_grad(case, fn)
 
 
-@settings(max_examples=15)
+@settings(max_examples=10)
 @given(
     case=rl_cases(torch.float64, cfgs=CFGS),
     tp=st.sampled_from([1, 2]),

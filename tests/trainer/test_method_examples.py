@@ -170,6 +170,8 @@ def check_signal(name: str, r: dict) -> None:
         for s in r["steps"]:
             fr = [s[f"route/{k}_frac"] for k in ("grpo", "opsd", "regularise", "skip")]
             assert abs(sum(fr) - 1) < 1e-9, fr
+    elif name == "skald":  # the teacher's full logits reached the tilted term every step
+        assert len(_any(r, "train/reg/skald")) == STEPS
     elif name == "clip-cov":  # the draw counter of the covariance selection is checkpointed
         assert st["objective"] == ["policy_loss"], st
         assert len(_any(r, "train/clip_cov/selected_frac")) == STEPS

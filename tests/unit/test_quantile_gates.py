@@ -21,7 +21,7 @@ def _shares(n, cuts):
     return list(itertools.pairwise(bounds))
 
 
-@settings(max_examples=25)
+@settings(max_examples=10)
 @given(vals=VALUES, cuts=st.lists(st.integers(0, 40), max_size=2), q=st.floats(0, 1), frac=st.floats(0, 1))
 def test_split_over_ranks_equals_one_rank(vals, cuts, q, frac):
     x = torch.tensor(vals, dtype=torch.float64)
@@ -40,7 +40,7 @@ def test_split_over_ranks_equals_one_rank(vals, cuts, q, frac):
     torch.testing.assert_close(whole[0], torch.quantile(x, q), rtol=0, atol=0)
 
 
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(n=st.integers(1, 40), frac=st.floats(0, 1), seed=st.integers(0, 1000))
 def test_distinct_values_keep_exactly_ceil_frac_n(n, frac, seed):
     x = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).double()

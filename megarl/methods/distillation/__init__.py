@@ -13,6 +13,7 @@ from megarl.methods.distillation import (
     routes,  # noqa: F401
     rstg,  # noqa: F401
     self_routing,  # noqa: F401
+    skald,  # noqa: F401
     sc_grpo,  # noqa: F401
     self_teacher,  # noqa: F401
     tide,  # noqa: F401
