@@ -77,6 +77,7 @@ METHODS: dict[str, str] = {
     "self_routing": "megarl.methods.distillation.self_routing:SPEC",
     "skald": "megarl.methods.distillation.skald:SPEC",
     "tide": "megarl.methods.distillation.tide:SPEC",
+    "geosd": "megarl.methods.distillation.geosd:SPEC",
     "opdvr": "megarl.methods.distillation.opdvr:OPDVR",
     "grpd": "megarl.methods.distillation.opdvr:GRPD",
 }

@@ -484,3 +484,38 @@ def skald_gate(
             acc = float((rewards[m] > correct_threshold).double().mean())
             out[m] = ((teacher_acc[m].double() - acc) > margin).double()
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# GeoSD: geometric self-distillation. Reconstructed (no source found; the Hellinger pieces match
+# TIDE's code). Per position, full vocabulary, from the student's logits z_θ, the privileged-context
+# self-teacher's logits z_T (same weights, stop-gradient) and a lagged checkpoint's z_ck:
+#   BC(p, q)   = Σ_v sqrt(p_v q_v),   H²(p, q) = 1 - BC ∈ [0, 1]
+#   d_FR(q, r) = 2 arccos(BC(q, r)) ∈ [0, π]    (d_FR² = 8(1 - BC) for BC > 1 - 1e-7: arccos's
+#                                                gradient is infinite at 1)
+#   ℓ_t        = H²(p_T, q_θ) + β d_FR(q_θ, q_ck)²
+# ----------------------------------------------------------------------------------------------
+
+
+def bhattacharyya(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """BC = Σ_v sqrt(p_v q_v).  logits: [..., V] -> [...]"""
+    lp, lq = torch.log_softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
+    return torch.exp(0.5 * (lp + lq)).sum(-1)
+
+
+def fisher_rao_sq(logits_q: torch.Tensor, logits_r: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """Squared Fisher-Rao distance (2 arccos BC)² of two categoricals; for BC > 1 - eps (arccos's
+    gradient blows up at 1) its expansion 8(1 - BC), so it is 0 with zero gradient at q = r.
+    [..., V] -> [...]"""
+    bc = bhattacharyya(logits_q, logits_r)
+    far = (2.0 * torch.arccos(torch.clamp(bc, max=1.0 - eps))) ** 2
+    return torch.where(bc > 1.0 - eps, 8.0 * (1.0 - bc), far)
+
+
+def geosd_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, ck_logits: torch.Tensor, beta: float = 0.1
+) -> torch.Tensor:
+    """Per-token GeoSD loss H²(p_T, q_θ) + β d_FR(q_θ, q_ck)² (teacher and checkpoint detached).
+    logits: [B, L, V] -> [B, L]"""
+    h2 = hellinger_sq(teacher_logits.detach(), student_logits)
+    return h2 + beta * fisher_rao_sq(student_logits, ck_logits.detach())

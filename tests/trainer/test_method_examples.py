@@ -134,6 +134,9 @@ def check_signal(name: str, r: dict) -> None:
         assert len(d) == STEPS and any(x != 0 for x in d), d
         t = r["teacher"]  # a trained teacher (MoE), not random weights: it knows the task
         assert t["eval_nll"] < 0.5 * t["student_eval_nll"], t
+    elif name == "geosd":  # only its term trains; the lagged copy was refreshed at step 1, then aged
+        assert len(_any(r, "train/reg/geosd")) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
+        assert _any(r, "geosd/checkpoint_age") == [0.0, 1.0]
     elif name == "tide":  # only the TIDE term trains (no policy loss, no KL); its inputs reached it
         assert len(_any(r, "train/reg/tide")) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
     elif name == "bounded-advantages":  # the plugin: its step hook ran and its state is checkpointed
