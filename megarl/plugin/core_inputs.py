@@ -59,9 +59,15 @@ def teacher_hf_config(cfg: Any, policy_hf: dict) -> dict:
     from megarl.learner.model import load_hf_config
 
     if not cfg.teacher.hf_dir:
+        o = cfg.objective  # the parts that may read a teacher input
+        parts = [
+            f"advantage.estimator={cfg.advantage.estimator!r}",
+            f"objective.policy_loss={o.policy_loss!r}",
+        ]
+        parts += [f"objective.distill={o.distill!r}"] + [f"regulariser {r['name']!r}" for r in o.regularisers]
         raise ValueError(
-            f"objective.distill={cfg.objective.distill!r} needs teacher.hf_dir (the teacher's HF "
-            "checkpoint, sharing the policy's vocabulary)"
+            f"the teacher input of this run ({', '.join(parts)}) needs teacher.hf_dir (the teacher's "
+            "HF checkpoint, sharing the policy's vocabulary)"
         )
     hf = dict(load_hf_config(cfg.teacher.hf_dir))
     if int(hf.get("vocab_size", -1)) != int(policy_hf["vocab_size"]):

@@ -114,3 +114,17 @@ def test_gates_on_a_hand_case_and_bad_knobs():
 def test_examples_load():
     assert load_example("opdvr")["advantage"]["estimator"] == "opdvr"
     assert load_example("grpd")["advantage"]["estimator"] == "grpd"
+
+
+@pytest.mark.parametrize("example", ["opdvr", "grpd", "distilled-rl", "opd-regulation", "ra-opd"])
+def test_a_run_without_a_teacher_is_refused_naming_who_needs_it(example):
+    """The teacher-shaped estimators read teacher_logprobs: without teacher.hf_dir building the
+    teacher refuses, naming the estimator (objective.distill is 'none' in these examples)."""
+    from megarl.plugin.core_inputs import teacher_hf_config
+    from megarl.trainer.config_loading import load_config
+    from tests.methods.helpers import EXAMPLES
+
+    cfg = load_config(EXAMPLES / f"{example}.yaml")
+    est = cfg.advantage.estimator
+    with pytest.raises(ValueError, match=rf"advantage\.estimator='{est}'.*needs? teacher\.hf_dir"):
+        teacher_hf_config(cfg, {"vocab_size": 16})
