@@ -118,3 +118,14 @@ def test_an_all_dropped_step_reports_its_batch_metrics():
 
 def test_example_loads():
     assert load_example("ra-opd")["advantage"]["estimator"] == "ra_opd"
+
+
+def test_needs_the_same_teacher_pass_as_opd():
+    """No extra cost: RA-OPD's inputs are plain OPD's (one teacher forward, sampled tokens only)."""
+    from megarl.trainer.config_loading import load_config
+    from megarl.trainer.method_runtime import required_inputs
+    from tests.methods.helpers import EXAMPLES
+
+    ra = load_config(EXAMPLES / "ra-opd.yaml")
+    opd = load_config(EXAMPLES / "core-onpolicy-distill.yaml")
+    assert set(required_inputs(ra)) == set(required_inputs(opd)) == {"teacher_logprobs"}
