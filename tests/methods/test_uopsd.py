@@ -61,7 +61,9 @@ def _set_up(case, data, dp):
     b.extras = {CONTEXT: rows, CORRECT: agree.double()}
     d = uopsd_rule(b)
     set_routes(b, d.routes, d.active)
-    share = torch.tensor([float(agree[b.group_ids == g].double().mean()) for g in b.group_ids])
+    share = torch.tensor(
+        [float(agree[b.group_ids == g].double().mean()) for g in b.group_ids], dtype=torch.float64
+    )
     return target, share
 
 

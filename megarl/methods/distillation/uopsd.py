@@ -45,7 +45,15 @@ def uopsd_rule(batch) -> RouteDecision:
     return RouteDecision(routes, NAMES, active=t)
 
 
+SHARE = "uopsd_agree_share"  # extras: [B] |C| / G of the sequence's group
+
+
 def _prepare(batch, dp_group, state, aggregation: str = "seq-mean-token-mean", frontier: bool = False):
+    """Route counts over DP, and each group's majority share on the whole group (a micro-batch may
+    hold part of a group; a DP rank holds whole groups)."""
+    if CORRECT not in batch.extras:
+        raise ValueError(f"policy_loss=uopsd needs extras['{CORRECT}'] (inputs.{CONTEXT})")
+    batch.extras[SHARE] = group_mean(batch.extras[CORRECT].double(), batch.group_ids)
     return prepare_routes(batch, len(NAMES), dp_group)
 
 
@@ -68,9 +76,9 @@ def uopsd_loss(
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"policy_loss_args.aggregation={aggregation!r}; known: {', '.join(AGGREGATIONS)}")
     teacher = getattr(batch, LOGPROBS)
-    if teacher is None or CORRECT not in batch.extras:
-        raise ValueError(f"policy_loss=uopsd needs '{LOGPROBS}' and extras['{CORRECT}'] (inputs.{CONTEXT})")
-    share = group_mean(batch.extras[CORRECT].double(), batch.group_ids)
+    if teacher is None or SHARE not in batch.extras:
+        raise ValueError(f"policy_loss=uopsd needs '{LOGPROBS}' and its prepare step (extras['{SHARE}'])")
+    share = batch.extras[SHARE]
     w = 4 * share * (1 - share) if frontier else torch.ones_like(share)
     w_tok = w.to(logp.dtype).repeat_interleave(batch.seq_lens)
     sd = -(teacher.to(logp.dtype) - old_logp).detach() * torch.exp(logp - old_logp.detach())
