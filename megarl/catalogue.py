@@ -67,6 +67,7 @@ METHODS: dict[str, str] = {
     "sc_grpo": "megarl.methods.distillation.sc_grpo:SPEC",
     "uopsd": "megarl.methods.distillation.uopsd:SPEC",
     "sara": "megarl.methods.allocation.sara:SPEC",
+    "pac": "megarl.methods.allocation.pac:SPEC",
     "es": "megarl.methods.gradients.es:SPEC",
     "3po": "megarl.methods.gradients.three_po:SPEC",
     "gupo": "megarl.methods.gradients.gupo:SPEC",

@@ -71,3 +71,28 @@ class StreamingAllocator(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """One group of a round as a curriculum sees it: the prompt's row id and task, its rewards
+    (after shaping: what the advantages see)."""
+
+    uid: int
+    task: str
+    rewards: tuple[float, ...]
+
+
+@runtime_checkable
+class PromptChooser(Protocol):
+    """A round allocator that picks the step's prompts itself (a curriculum over tasks) instead of
+    the run's shuffled sampler. ``bind`` gets every dataset row's task once, before the first step;
+    ``next_prompts(step, count)`` returns ``count`` row ids; ``observe`` gets each round's groups and
+    returns metrics. Its choices must depend only on its state and ``step`` (seeded draws), so that a
+    resumed run picks the same prompts; its state goes in checkpoints."""
+
+    def bind(self, tasks: list[str], seed: int) -> None: ...
+
+    def next_prompts(self, step: int, count: int) -> list[int]: ...
+
+    def observe(self, step: int, groups: list[GroupOutcome]) -> dict[str, float]: ...

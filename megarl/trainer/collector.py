@@ -2,7 +2,8 @@
 
 One ``RolloutCollector`` per run on rank 0. ``await collect(step)`` builds the groups of one step:
 the allocator decides how many prompts each round samples and which groups stay (a streaming
-allocator instead decides per prompt as samples land: megarl/trainer/streaming.py); the workflow
+allocator instead decides per prompt as samples land: megarl/trainer/streaming.py; a
+``PromptChooser`` picks the prompts itself instead of the shuffled sampler); the workflow
 turns each prompt into ``n`` trajectories through the engine; the run's reward functions score
 them; the round processors (reward shaping, judges, method scores) run in order. The synchronous
 loop runs it to completion per step; the asynchronous loop runs it ahead in its producer thread
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megarl.plugin.allocation import GroupOutcome, PromptChooser
 from megarl.plugin.rounds import RolloutRound
 from megarl.trainer.allocation import StreamingAllocator
 from megarl.trainer.rollouts import CollectedBatch, GroupRecord, SampleRecord
@@ -111,6 +113,8 @@ class RolloutCollector:
         )
         self.sampling, self.n, self.weights, self.fallback = sampling, n, weights, fallback
         self.version, self.log = version, log
+        if isinstance(allocator, PromptChooser):
+            allocator.bind([r.task for r in dataset.rows], sampler.seed)
 
     async def collect(self, step: int) -> CollectedBatch:
         """The kept groups of ``step`` and the step's rollout statistics."""
@@ -121,9 +125,14 @@ class RolloutCollector:
         stats = empty_stats()
         kept: list[GroupRecord] = []
         rnd = 0
+        chooser = self.allocator if isinstance(self.allocator, PromptChooser) else None
         while True:
-            uids = list(self.sampler.next_indices(self.allocator.want - len(kept)))
+            k = self.allocator.want - len(kept)
+            uids = chooser.next_prompts(step, k) if chooser else list(self.sampler.next_indices(k))
             groups = await self._round(uids, step, rnd, stats)
+            if chooser is not None:
+                outcomes = [GroupOutcome(g.uid, g.row.task, tuple(g.rewards)) for g in groups]
+                stats["method"].update(chooser.observe(step, outcomes))
             for g in groups:
                 stats["groups_seen"] += 1
                 vals = torch.tensor(g.rewards, dtype=torch.float64)

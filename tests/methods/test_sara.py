@@ -21,7 +21,7 @@ from megarl.plugin.allocation import ABANDON, PromptView
 from megarl.plugin.knobs import build_knobs
 from reference import allocation as ref
 
-FAST = settings(max_examples=25, deadline=None)
+FAST = settings(max_examples=15, deadline=None)
 SLOW = settings(max_examples=4, deadline=None)
 
 

@@ -184,6 +184,7 @@ def check_signal(name: str, r: dict) -> None:
     else:  # losses with their own token diagnostics, round inputs with their own metric
         key = {
             "gapo": "train/gapo/clip_high",
+            "pac": "pac/reverse/prompts",  # the curriculum chose the step's prompts
             "estr": "train/estr/masked_frac",
             "sao": "train/sao_clip/out_of_band_frac",
             "output-reset": "train/output_reset/residual",

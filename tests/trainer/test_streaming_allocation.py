@@ -170,3 +170,23 @@ def test_a_bad_decision_is_named(parts):
 
     with pytest.raises(ValueError, match=r"decide\(\) returned 5 for a prompt with 0 of 4 samples"):
         run_step(parts, Bad())
+
+
+def test_a_prompt_chooser_picks_the_round_prompts(parts):
+    """A round allocator that chooses prompts (PAC) gets the dataset's tasks, names the round's
+    prompts instead of the sampler and sees the round's groups."""
+    from megarl.methods.allocation.pac import PACAllocator, PACKnobs
+
+    cfg, run, engine, _, rewards = parts
+    rows = [
+        PromptRow(prompt=f"R {i:03d}=", answer="x", task=("a" if i % 2 else "b"), source=f"mem:{i}")
+        for i in range(40)
+    ]
+    alloc = PACAllocator(PACKnobs(), want=6)
+    c = collector((cfg, run, engine, PromptDataset(rows), rewards), alloc)
+    b = asyncio.new_event_loop().run_until_complete(c.collect(4))
+    chosen = [g.uid for g in b.groups]
+    assert c.sampler.cursor == 0 and len(chosen) == 6  # the sampler was not asked
+    assert [rows[u].task for u in chosen] == ["a"] * alloc.last_counts["a"] + ["b"] * alloc.last_counts["b"]
+    assert sorted(alloc.stats) == sorted({rows[u].task for u in chosen})
+    assert b.stats["method"]["pac/a/prompts"] == alloc.last_counts["a"]

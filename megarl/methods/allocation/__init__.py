@@ -4,4 +4,7 @@ curricula, data selection, rollout acceleration).
 Importing this package registers the family's allocators and parts.
 """
 
-from megarl.methods.allocation import sara  # noqa: F401
+from megarl.methods.allocation import (
+    pac,  # noqa: F401
+    sara,  # noqa: F401
+)
