@@ -92,3 +92,37 @@ def gupo_weights(
 def weighted_update(group_grads: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """GUPO's update direction ``sum_q w_q g_q`` from exact group gradients ``[Q, P]``."""
     return (weights.double()[:, None] * group_grads.double()).sum(0)
+
+
+# ------------------------------------------------------------------------------------ GCPO
+def principal_bases(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U_k [m, k], V_k [n, k]): the top-``rank`` left and right singular vectors of a pretrained
+    weight [m, n] (float64 SVD)."""
+    U, _, Vh = torch.linalg.svd(weight.double(), full_matrices=False)
+    return U[:, :rank], Vh[:rank].T
+
+
+def gcpo_project(update: torch.Tensor, U: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """GCPO's bilateral projection ``(I − U Uᵀ) ΔW (I − V Vᵀ)`` of an update [m, n].
+
+    Provenance: the double-sided projectors are OPLoRA's (related work); applying them to the
+    optimizer's final update is RECONSTRUCTED from the GCPO abstract."""
+    m, n = update.shape
+    left = torch.eye(m, dtype=torch.float64) - U.double() @ U.double().T
+    right = torch.eye(n, dtype=torch.float64) - V.double() @ V.double().T
+    return left @ update.double() @ right
+
+
+def principal_overlap(update: torch.Tensor, U: torch.Tensor, V: torch.Tensor) -> tuple[float, float]:
+    """(rho_k, PSO) of an update [m, n]: rho_k = |U_kᵀ ΔW V_k|²_F / |ΔW|²_F, and the
+    dimension-corrected principal-subspace overlap PSO = rho_k · m n / k² (mean 1 for an isotropic
+    random update; 0 for a zero update).
+
+    Provenance: RECONSTRUCTED; the GCPO abstract names the overlap and a dimension correction."""
+    m, n = update.shape
+    k = U.shape[1]
+    total = float(update.double().pow(2).sum())
+    if k == 0 or total == 0:
+        return 0.0, 0.0
+    rho = float((U.double().T @ update.double() @ V.double()).pow(2).sum()) / total
+    return rho, rho * m * n / k**2

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,16 @@ from megarl.learner.model import build_gpt_model, load_hf_config
 from megarl.learner.optim_config import OptimConfig
 from megarl.learner.parallel import ParallelGroups
 from megarl.objectives.api import GlobalNormalisers, LossContext, Objective, micro_batch_context
+
+
+@runtime_checkable
+class OptimizerHook(Protocol):
+    """Acts around each optimizer step of a learner: sees the reduced gradients before it and the
+    updated weights after it (``ok``: the step was taken; False when it was skipped)."""
+
+    def before_optimizer_step(self, learner: Learner) -> None: ...
+
+    def after_optimizer_step(self, learner: Learner, ok: bool) -> None: ...
 
 
 @dataclass
@@ -106,6 +116,8 @@ class Learner:
         self.config.no_sync_func = self.ddp.no_sync
         self.config.finalize_model_grads_func = self._finalize_grads
         self.step = 0
+        # parts that act around every optimizer step (e.g. a projection of the update)
+        self.optimizer_hooks: list[OptimizerHook] = []
         self.optimizer = self.scheduler = None
         if not cfg.trainable:
             return
@@ -153,6 +165,15 @@ class Learner:
         from megarl.convert.hf_megatron import load_hf_into_model
 
         load_hf_into_model(self.model, self.groups, source)
+        self._sync_main_params()
+
+    def add_optimizer_hook(self, hook: OptimizerHook) -> None:
+        """Call ``hook.before_optimizer_step(self)`` and ``hook.after_optimizer_step(self, ok)``
+        around every optimizer step of ``train_step`` (every rank; collective if the hook is)."""
+        self.optimizer_hooks.append(hook)
+
+    def sync_main_params(self) -> None:
+        """After writing the model's weights in place, refresh the optimizer's main copies."""
         self._sync_main_params()
 
     def _sync_main_params(self) -> None:
@@ -434,7 +455,11 @@ class Learner:
             dist.all_reduce(vec, group=g.dp)
         vec = self._from_last_stage(vec)
         lr = float(self.optimizer.param_groups[0]["lr"])
+        for hook in self.optimizer_hooks:
+            hook.before_optimizer_step(self)
         ok, grad_norm, _ = self.optimizer.step()
+        for hook in self.optimizer_hooks:
+            hook.after_optimizer_step(self, bool(ok))
         if ok:
             self.scheduler.step(increment=1)
         self.step += 1

@@ -120,4 +120,88 @@ def case_gupo(args, moe: bool, layout_name: str, num_micro: int = 1) -> dict:
     return out
 
 
-CASES = {"gupo": case_gupo}
+def _full(name: str, p: torch.Tensor, groups) -> torch.Tensor:
+    from megarl.methods.gradients.subspace import gather_shards, shard_layout
+
+    dim, group, _ = shard_layout(name, p, groups)
+    w = p.detach().double()
+    return gather_shards(w, dim, group) if dim is not None else w
+
+
+def case_gcpo(args, moe: bool, layout_name: str, num_micro: int = 1) -> dict:
+    """Two learners from the same weights, one with the GCPO hook (rank 4): after one Adam step
+    each projected weight equals W0 + reference gcpo_project(plain update) (full matrices gathered
+    over TP), its update is orthogonal to U_k and V_k, the logged PSO is the reference's mean over
+    the matrices; after a second step the top-k singular triples of W0 are still triples of W."""
+    from megarl.methods.gradients.gcpo import GcpoHook, GcpoKnobs
+    from megarl.methods.gradients.subspace import compute_bases, projected_parameters
+    from reference import gradients as ref
+    from tests.learner.dist_cases import (
+        LAYOUTS,
+        PolicyGradientObjective,
+        dp_shard,
+        learner_for,
+        make_batch,
+        make_hf_model,
+        max_over_world,
+    )
+
+    _, d = make_hf_model(moe, args.workdir)
+    plain = learner_for(LAYOUTS[layout_name], d)
+    proj = learner_for(LAYOUTS[layout_name], d)
+    g = proj.groups
+    k = 4
+    hook = GcpoHook(None, GcpoKnobs(rank=k), compute_bases(proj.model, g, k))
+    proj.add_optimizer_hook(hook)
+    w0 = {n: _full(n, p, g) for n, p in projected_parameters(proj.model)}
+    batch = make_batch(31, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    obj = PolicyGradientObjective()
+    plain.train_step(dp_shard(batch, plain), obj, num_micro)
+    proj.train_step(dp_shard(batch, proj), obj, num_micro)
+    metrics = hook.after_step(1, {})
+    d_proj = d_orth = moved = 0.0
+    psos = []
+    plain_params = dict(projected_parameters(plain.model))
+    for n, p in projected_parameters(proj.model):
+        U, V = ref.principal_bases(w0[n], k)
+        raw = _full(n, plain_params[n], g) - w0[n]
+        got = _full(n, p, g) - w0[n]
+        scale = float(raw.abs().max())
+        d_proj = max(d_proj, float((got - ref.gcpo_project(raw, U, V)).abs().max()) / scale)
+        d_orth = max(d_orth, float((U.T @ got).abs().max()) / scale, float((got @ V).abs().max()) / scale)
+        moved = max(moved, float(got.abs().max()))
+        psos.append(ref.principal_overlap(raw, U, V)[1])
+    # the hook's mean is over the matrices of every rank (each once); this rank's own matrices here
+    local_mean = sum(psos) / len(psos)
+    proj.train_step(dp_shard(batch, proj), obj, num_micro)
+    d_triples = 0.0
+    for n, p in projected_parameters(proj.model):
+        Uf, S, Vh = torch.linalg.svd(w0[n], full_matrices=False)
+        w2 = _full(n, p, g)
+        for j in range(k):
+            d_triples = max(d_triples, float((w2 @ Vh[j] - S[j] * Uf[:, j]).abs().max()) / float(S[j]))
+    out = {
+        "d_projection_rel": max_over_world(d_proj),
+        "d_orthogonality_rel": max_over_world(d_orth),
+        "d_singular_triples_rel": max_over_world(d_triples),
+        "moved": moved,
+        "pso_mean_hook": metrics.get("gcpo/pso_mean"),
+        "pso_mean_reference_local": local_mean,
+        "pso_max_hook": metrics.get("gcpo/pso_max"),
+        "update_kept": metrics.get("gcpo/update_kept"),
+        "matrices": metrics.get("gcpo/matrices"),
+    }
+    pso_ok = metrics.get("gcpo/pso_max", -1) >= max(psos) - 1e-6 * max(1.0, max(psos))
+    if g.dp_size == 1 and g.layout.pp == 1 and not moe:  # every rank sees every matrix: same mean
+        pso_ok &= abs(metrics["gcpo/pso_mean"] - local_mean) <= 1e-6 * max(1.0, local_mean)
+    out["ok"] = bool(
+        out["d_projection_rel"] <= 1e-4
+        and out["d_orthogonality_rel"] <= 1e-4
+        and out["d_singular_triples_rel"] <= 1e-4
+        and moved > 1e-5
+        and pso_ok
+    )
+    return out
+
+
+CASES = {"gupo": case_gupo, "gcpo": case_gcpo}

@@ -72,6 +72,9 @@ CASES_2 = [
     "gupo:dense:tp2:2",
     "gupo:dense:tp2sp",
     "gupo:moe:ep2",
+    "gcpo:dense:tp2",
+    "gcpo:moe:ep2",
+    "gcpo:moe:tp2sp",
 ]
 # 4 processes on CI's 2 cores: kept short. (expert_tp > 1 together with ep > 1 cannot run on gloo:
 # megatron's alltoall dispatcher all-gathers unequal token counts over the expert-TP group.)

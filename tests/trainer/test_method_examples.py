@@ -159,6 +159,10 @@ def check_signal(name: str, r: dict) -> None:
         lo, hi = _any(r, "gupo/weight_min"), _any(r, "gupo/weight_max")
         assert len(lo) == STEPS and all(a <= 1 + 1e-9 <= b + 2e-9 for a, b in zip(lo, hi)), (lo, hi)
         assert st["method"]["step_hooks"] == [[]], st  # stateless: the projections come from the seed
+    elif name == "gcpo":  # every optimizer step measured the overlap and projected part of the update away
+        kept = _any(r, "gcpo/update_kept")
+        assert len(_any(r, "gcpo/pso_mean")) == STEPS and all(0 < k < 1 for k in kept), kept
+        assert st["method"]["step_hooks"] == [[]], st  # stateless: bases from the initial policy
     elif name in ("core-grpo", "core-reinforce-pp-baseline"):
         assert len(_any(r, "train/kl")) == STEPS  # the frozen reference learner was built
     elif name == "3po":  # a new perturbation per version, stamped on the samples
