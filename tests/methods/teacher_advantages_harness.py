@@ -97,11 +97,6 @@ def seq_rewards(pad: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return pad.per_seq["rewards"].double(), pad.per_seq["group_ids"]
 
 
-def packed_seq(batch: PackedBatch, per_seq: torch.Tensor) -> torch.Tensor:
-    """A per-sequence tensor on every token of its sequence."""
-    return per_seq[batch.seq_index()]
-
-
 @st.composite
 def teacher_batches(draw):
     """Reward batches (binary, Gaussian or constant rewards) with behaviour and teacher logprobs
