@@ -4,10 +4,9 @@ parameter-space perturbation and the methods built on them.
 Importing this package registers the family's parts.
 """
 
-from megarl.methods.gradients import gcpo  # noqa: F401
-from megarl.methods.gradients import gupo  # noqa: F401
-
 from megarl.methods.gradients import (  # noqa: F401
     es,
+    gcpo,
+    gupo,
     three_po,
 )
