@@ -18,6 +18,14 @@ ADMIN_KEY_ENV = "MEGARL_ROLLOUT_ADMIN_KEY"
 KEY_FILE_ENV = "MEGARL_ROLLOUT_KEY_FILE"
 
 
+def _key() -> str:
+    """A URL-safe 256-bit random key that does not start with '-'."""
+    while True:
+        k = secrets.token_urlsafe(32)
+        if not k.startswith("-"):
+            return k
+
+
 @dataclass(frozen=True)
 class RolloutKeys:
     """``api_key`` guards generation, ``admin_key`` guards control routes (reload, pause, ...)."""
@@ -27,8 +35,9 @@ class RolloutKeys:
 
     @staticmethod
     def generate() -> RolloutKeys:
-        """Two fresh 256-bit random keys."""
-        return RolloutKeys(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+        """Two fresh 256-bit random keys, neither starting with '-' (SGLang reads its keys as
+        command-line values, and argparse takes a value starting with '-' for an option)."""
+        return RolloutKeys(_key(), _key())
 
     def env(self) -> dict[str, str]:
         """The environment variables that carry the keys to a child process."""

@@ -146,3 +146,12 @@ def test_key_file_json_written_by_rolloutkeys_is_what_the_trainer_reads(tmp_path
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     assert json.loads(path.read_text()) == {"api_key": keys.api_key, "admin_key": keys.admin_key}
     assert RolloutKeys.for_client(str(path), {}) == keys
+
+
+def test_generated_keys_never_start_with_a_dash():
+    """A key is handed to SGLang as a command-line value (``--admin-api-key KEY``, from its config
+    file); argparse takes a value starting with '-' for an option and the server exits ("expected
+    one argument"). token_urlsafe starts with '-' once in 64 keys."""
+    keys = [RolloutKeys.generate() for _ in range(1000)]
+    assert not [k for ks in keys for k in (ks.api_key, ks.admin_key) if k.startswith("-")]
+    assert len({k.api_key for k in keys}) == 1000 and all(len(k.api_key) >= 43 for k in keys)
