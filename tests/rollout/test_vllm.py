@@ -18,6 +18,8 @@ import torch
 from megarl.rollout.embedded import EmbeddedEngine, teacher_forced_logprobs
 from megarl.rollout.environments import GuessingGame, episodes_to_batch, run_episode
 from megarl.rollout.pool import BatchItem, EnginePool
+from megarl.rollout.tool_calls import format_tool_call, format_tool_response
+from megarl.rollout.tool_env import ToolTask, ToolWorkflow, encode_observation
 from megarl.rollout.types import (
     AuthError,
     BadRequestError,
@@ -25,6 +27,7 @@ from megarl.rollout.types import (
     SamplingParams,
     WeightsDirError,
 )
+from megarl.rollout.workflow import WorkflowContext
 from tests.rollout.conftest import PROMPT
 from tests.rollout.hf_reference import hf_greedy, load_hf
 
@@ -33,6 +36,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # fp32 server vs fp32 recomputation (different kernels, same math). A bf16 server measured
 # max |diff| 0.041 nats against the fp32 recomputation on this model (see docs/rollout.md).
 LOGPROB_ATOL = 2e-3
+# the same fp32 weights in the Megatron learner and in vLLM (different kernels): measured max |diff|
+# 1.2e-6 to 1.8e-6 nats per turn of the tool episode (test_three_turn_tool_episode_...)
+TOOL_LOGPROB_ATOL = 1e-4
 
 
 def run(coro):
@@ -358,6 +364,130 @@ def test_three_turn_episode_through_vllm(vllm_server, tiny_models):
         if role == "assistant":
             ref = teacher_forced_logprobs(model, ep.tokens[:s], ep.tokens[s:e])
             assert (torch.tensor(ep.logprobs[s:e]) - ref).abs().max().item() < LOGPROB_ATOL
+
+
+TOOL_PROMPT = "user: What is (2+3)*4? Use the calculator.\nassistant:"
+TOOL_SCRIPT = [
+    format_tool_call("calculator", {"expression": "2+3"}),
+    format_tool_call("calculator", {"expression": "5*4"}),
+    " 20",
+]
+
+
+class Recording:
+    """Forwards every request to a real engine and keeps its prompt ids and its sample."""
+
+    def __init__(self, engine):
+        self.engine, self.max_model_len, self.calls = engine, engine.max_model_len, []
+
+    async def generate(self, prompt_ids, n=1, sampling=None, **kw):
+        res = await self.engine.generate(prompt_ids, n=n, sampling=sampling, **kw)
+        self.calls.append((list(prompt_ids), res.samples[0]))
+        return res
+
+
+def test_three_turn_tool_episode_through_vllm_is_what_the_learner_trains(vllm_server, tiny_models, tmp_path):
+    """Tool call parsed, executed and its result appended, through the real vLLM server and the
+    tools workflow; the trainer's batch holds exactly the sampled tokens, the loss mask covers the
+    model's tokens only, and the Megatron learner's logprobs of every turn equal vLLM's.
+
+    A random tiny model never writes a tool call, so the policy is warmed up first: the learner
+    trains on one scripted episode (two calculator calls, then the answer) until every scripted
+    token has probability > 0.6, the server loads those weights, and decoding is greedy."""
+    from transformers import AutoTokenizer
+
+    from megarl.data.dataset import PromptRow
+    from megarl.trainer.config_sections import EnvironmentConfig
+    from megarl.trainer.rollouts import GroupRecord, SampleRecord, build_batch, rollouts_from_groups
+    from tests.rollout.tool_episode_case import warm_up
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["v1"]))
+    eos = tok.eos_token_id
+
+    def score(text: str, answer: str) -> tuple[float, bool]:
+        ok = text.replace(tok.eos_token, "").strip() == answer
+        return float(ok), ok
+
+    # the scripted episode, played through the real environment (the calculator computes 5 and 20)
+    env = ToolTask(tok, TOOL_PROMPT, lambda t: score(t, "20"), max_turns=3)
+    prompt_ids = env.reset()
+    script, mask, turns, observations = list(prompt_ids), [0.0] * len(prompt_ids), [], []
+    for text in TOOL_SCRIPT:
+        ids = list(tok.encode(text, add_special_tokens=False)) + [eos]
+        obs = env.step(ids).observation_ids
+        turns.append(ids)
+        observations += [obs] if obs else []
+        script += ids + obs
+        mask += [1.0] * len(ids) + [0.0] * len(obs)
+    assert observations == [encode_observation(tok, format_tool_response(r)) for r in ("5", "20")]
+    learner, warm = warm_up(tiny_models["v1"], tmp_path / "warm", script, mask, len(prompt_ids))
+
+    ctx = WorkflowContext(tok, score, 1024, EnvironmentConfig(name="tools", max_turns=3))
+    greedy = SamplingParams(temperature=0, max_new_tokens=96, seed=0)
+
+    async def go():
+        async with vllm_server.client() as eng:
+            await eng.update_weights(tmp_path / "warm", version="41")
+            try:
+                rec = Recording(eng)
+                (traj,) = await ToolWorkflow(ctx).run(rec, TOOL_PROMPT, "20", prompt_ids, 1, greedy)
+            finally:
+                await eng.update_weights(tiny_models["v1"], version="42")
+            return traj, rec.calls
+
+    traj, calls = run(go())
+    sampled = [s.token_ids for _, s in calls]
+    assert sampled == turns, (
+        f"the warmed-up policy did not follow the script: {[tok.decode(t) for t in sampled]}"
+    )
+    assert [s.weight_version for _, s in calls] == ["41"] * 3
+    assert [r for _, _, r in traj.turn_spans] == [
+        "prompt",
+        "assistant",
+        "observation",
+        "assistant",
+        "observation",
+        "assistant",
+    ]
+    assert traj.turn_rewards == [0.0, 0.0, 1.0] and traj.text == " 20" + tok.eos_token
+
+    sample = SampleRecord(
+        traj.token_ids,
+        traj.logprobs,
+        traj.finish_reason,
+        41,
+        text=traj.text,
+        loss_mask=traj.loss_mask,
+        turn_spans=traj.turn_spans,
+        turn_rewards=traj.turn_rewards,
+    )
+    group = GroupRecord(
+        PromptRow(TOOL_PROMPT, "20", "tools", "mem:0"), 0, prompt_ids, [sample], rewards=[1.0]
+    )
+    batch = build_batch(rollouts_from_groups([group], {"tools": 0}, [], with_versions=False), 42)
+    tokens = batch.tokens.tolist()
+    # the trained tokens are exactly the sampled ones: each request's prompt is the batch's prefix and
+    # its sample follows it, then the observation ids as the environment made them
+    assert tokens == script
+    for prompt, s in calls:
+        assert (
+            tokens[: len(prompt)] == prompt
+            and tokens[len(prompt) : len(prompt) + len(s.token_ids)] == s.token_ids
+        )
+    spans = [(s, e) for s, e, r in traj.turn_spans if r == "assistant"]
+    assert batch.loss_mask.tolist() == [float(any(s <= i < e for s, e in spans)) for i in range(len(tokens))]
+    assert batch.extras["turn_rewards"].tolist() == [[0.0, 0.0, 1.0]]
+    # the learner that made the served weights recomputes every turn's logprobs
+    lp, _ = learner.compute_logprobs(batch)
+    diffs = [(lp[s:e] - batch.rollout_logprobs[s:e]).abs().max().item() for s, e in spans]
+    for (_, s), (a, e) in zip(calls, spans):
+        assert batch.rollout_logprobs[a:e].tolist() == pytest.approx([min(x, 0.0) for x in s.logprobs], abs=0)
+    print(
+        f"tool episode: warm-up {warm['steps']} steps (min scripted logprob {warm['min_logprob']:.3f}); "
+        f"vLLM (fp32) vs Megatron learner (fp32) logprobs per turn: max |diff| "
+        + ", ".join(f"{d:.2e}" for d in diffs)
+    )
+    assert max(diffs) < TOOL_LOGPROB_ATOL
 
 
 def test_server_killed_mid_batch_requests_finish_elsewhere(vllm_server, tiny_models):

@@ -1,0 +1,65 @@
+"""The learner's side of the 3-turn tool episode through vLLM (tests/rollout/test_vllm.py): a
+Megatron learner (fp32, one process, TP 1) warmed up on one scripted tool episode, so that a tiny
+random model calls the tool by itself under greedy decoding."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from megarl.batch import PackedBatch
+
+
+class _NLL:
+    """Token-sum NLL over the loss mask / the batch's token count; reports the worst scripted token."""
+
+    def __call__(self, logits, batch, ctx):
+        from megarl.objectives.api import LossOutput
+        from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
+
+        logp, _ = vocab_parallel_logprobs_entropy(logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens)
+        on = batch.loss_mask > 0
+        loss = -(logp * batch.loss_mask.to(logp)).sum() / ctx.normalisers.num_tokens
+        return LossOutput(loss=loss, metrics={"min_logprob": logp.detach()[on].min()})
+
+
+def warm_up(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    tokens: list[int],
+    loss_mask: list[float],
+    prompt_len: int,
+    lr: float = 1e-2,
+    min_prob: float = 0.6,
+    max_steps: int = 150,
+):
+    """SFT of ``hf_dir`` on one scripted sequence until every scripted token has probability above
+    ``min_prob`` (so greedy decoding reproduces the script with a margin no kernel difference
+    flips), at most ``max_steps`` steps; the weights go to ``out_dir`` as an HF checkpoint.
+    Returns the learner (holding exactly the exported weights) and ``{"steps", "min_logprob"}``."""
+    from megarl.convert.hf_megatron import save_hf_checkpoint
+    from megarl.learner.factory import build_learner
+    from megarl.learner.model import load_hf_config
+    from megarl.learner.optim_config import OptimConfig
+    from megarl.learner.parallel import ParallelLayout, initialize_parallel
+
+    groups = initialize_parallel(ParallelLayout())
+    ln = build_learner(dict(load_hf_config(str(hf_dir))), groups, OptimConfig(), lr=lr)
+    ln.load_hf(str(hf_dir))
+    batch = PackedBatch(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        cu_seqlens=torch.tensor([0, len(tokens)]),
+        prompt_lens=torch.tensor([prompt_len]),
+        loss_mask=torch.tensor(loss_mask, dtype=torch.float32),
+        group_ids=torch.tensor([0]),
+        advantages=torch.zeros(len(tokens)),
+    ).validate()
+    steps, worst = 0, -math.inf
+    while steps < max_steps and worst <= math.log(min_prob):
+        worst = ln.train_step(batch, _NLL())["min_logprob"]  # before this step's update
+        steps += 1
+    lp, _ = ln.compute_logprobs(batch)
+    save_hf_checkpoint(ln.model, groups, str(out_dir), hf_config=ln.hf_config)
+    return ln, {"steps": steps, "min_logprob": float(lp[batch.loss_mask > 0].min())}
