@@ -821,6 +821,7 @@ CASES = {
     "critic": case_critic,
 }
 CASES.update(__import__("tests.learner.perturbation_cases", fromlist=["CASES"]).CASES)
+CASES.update(__import__("tests.learner.self_teacher_cases", fromlist=["CASES"]).CASES)
 CASES.update(__import__("tests.learner.gradient_cases", fromlist=["CASES"]).CASES)
 
 

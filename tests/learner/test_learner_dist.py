@@ -75,6 +75,8 @@ CASES_2 = [
     "gcpo:dense:tp2",
     "gcpo:moe:ep2",
     "gcpo:moe:tp2sp",
+    "selfteacher:dense:tp2",
+    "selfteacher:moe:ep2",
 ]
 # 4 processes on CI's 2 cores: kept short. (expert_tp > 1 together with ep > 1 cannot run on gloo:
 # megatron's alltoall dispatcher all-gathers unequal token counts over the expert-TP group.)

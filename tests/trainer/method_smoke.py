@@ -65,6 +65,10 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "bpco-privileged": {"inputs": {"values": {"warmup_steps": 1}}},
     # a small population with raw rewards: 4 smoke prompts rarely tell z-scored members apart
     "es": {"method": {"population": 1, "sigma": 0.02, "antithetic": False, "normalise": "none"}},
+    # the barely warmed smoke policy has no correct sibling and no majority answer: give the
+    # self-teacher a context so that its forward runs in the smoke's 2 steps
+    "sc-grpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
+    "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
 }
 
 

@@ -173,6 +173,15 @@ def check_signal(name: str, r: dict) -> None:
     elif name == "rstg":  # the teacher reached the gated OPD term of the all-wrong groups
         nzv, dis = _any(r, "train/rstg/nzv_token_frac"), _any(r, "train/rstg/distilled_token_frac")
         assert len(dis) == STEPS and all(0 <= d <= n for d, n in zip(dis, nzv)), (nzv, dis)
+    elif name in ("isdpo", "uopsd"):  # routes cover the groups; the self-teacher forwarded the targets
+        names = ("grpo", "distil") if name == "isdpo" else ("skip", "distil")
+        for s in r["steps"]:
+            assert abs(sum(s[f"route/{k}_frac"] for k in names) - 1) < 1e-9, s
+        fwd = _any(r, "self_teacher/forwarded_frac")
+        assert len(fwd) == STEPS and any(f > 0 for f in fwd), fwd
+    elif name == "sc-grpo":  # the self-teacher forward ran every step (answer contexts in the smoke)
+        fwd = _any(r, "self_teacher/forwarded_frac")
+        assert len(fwd) == STEPS and all(f > 0 for f in fwd), fwd
     elif name == "self-routing":  # one route per group: the route fractions cover the batch
         for s in r["steps"]:
             fr = [s[f"route/{k}_frac"] for k in ("grpo", "opsd", "regularise", "skip")]

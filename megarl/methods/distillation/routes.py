@@ -48,8 +48,10 @@ def group_routes(
     group's route index, given to every sequence of the group. ``values``: [B] or [B, ...]."""
     inv, n = _dense_groups(group_ids)
     routes = torch.empty(group_ids.numel(), dtype=torch.long)
+    order = torch.sort(inv, stable=True).indices  # each group's members in batch order
+    bounds = torch.bincount(inv, minlength=n).cumsum(0).tolist()
     for g in range(n):
-        members = (inv == g).nonzero()[:, 0]
+        members = order[(bounds[g - 1] if g else 0) : bounds[g]]
         r = int(rule(values[members]))
         if r < 0:
             raise ValueError(
