@@ -23,20 +23,28 @@ PROMPT = [586, 28, 594, 289, 370, 13, 20, 33, 201, 591, 28]
 
 def test_engine_teacher_pass_fills_every_sequence_from_the_engine(tmp_path):
     """The pass packs the engines' scores back into [T] in batch order (sequences spread over two
-    engines), 0 at each sequence's first token; each equals the model's teacher-forced logprobs."""
+    engines), 0 at each sequence's first token; each equals the model's teacher-forced logprobs,
+    and the top-K rows (token_extras, -1 at first tokens) equal torch.topk of its distribution."""
     hf = build_tiny_qwen3(tmp_path / "t", seed=3)
     batch = student_batch(1024, PROMPT)
     eng = EmbeddedEngine.from_pretrained(str(hf), name="teacher")
     other = EmbeddedEngine(eng.model, name="teacher-2")
-    p = EngineTeacherPass([eng, other])
+    p = EngineTeacherPass([eng, other], top_k=3)
     p.fill(batch, 1)
     got = batch.teacher_logprobs
-    assert got.shape == (batch.num_tokens,) and got.dtype == torch.float32
+    ids, lps = batch.token_extras["teacher_topk_ids"], batch.token_extras["teacher_topk_logprobs"]
+    assert (
+        got.shape == (batch.num_tokens,) and got.dtype == torch.float32 and ids.shape == (batch.num_tokens, 3)
+    )
     cu = batch.cu_seqlens.tolist()
     for a, b in itertools.pairwise(cu):
         toks = batch.tokens[a:b].tolist()
         want = teacher_forced_logprobs(eng.model, toks[:1], toks[1:])
         assert got[a] == 0 and float((got[a + 1 : b] - want).abs().max()) < 1e-5
+        with torch.no_grad():
+            full = torch.log_softmax(eng.model(input_ids=torch.tensor([toks])).logits[0, :-1].float(), -1)
+        assert ids[a].tolist() == [-1] * 3 and torch.equal(ids[a + 1 : b], full.topk(3, -1).indices)
+        assert float((lps[a + 1 : b] - full.topk(3, -1).values).abs().max()) < 1e-5
     s = asyncio.run(eng.score_tokens(PROMPT, top_k=4))  # top-K: sorted, at least the scored token
     assert len(s.top_ids) == len(PROMPT) and s.top_ids[0] == [] and all(len(r) == 4 for r in s.top_ids[1:])
     assert all(a >= b for r in s.top_logprobs[1:] for a, b in itertools.pairwise(r))

@@ -236,8 +236,10 @@ def test_missing_inputs_and_prepare_are_named():
     bad = dataclasses.replace(
         b, token_extras={k: v for k, v in b.token_extras.items() if k != "student_topk_logprobs"}
     )
+    assert prepare(bad, None) is bad  # a stage without the policy's top-K pass (not the last) skips
+    obj = build_objective({"policy_loss": "none", "regularisers": [{"name": "tide", "coef": 1.0}]})
     with pytest.raises(ValueError, match="student_topk_logprobs"):
-        prepare(bad, None)
+        obj(logits, obj.prepare(bad, None), LossContext(GlobalNormalisers(4, 3)))
     obj = build_objective({"policy_loss": "none", "regularisers": [{"name": "tide", "coef": 1.0}]})
     with pytest.raises(ValueError, match="objective.prepare"):
         obj(logits, b, LossContext(GlobalNormalisers(4, 3)))

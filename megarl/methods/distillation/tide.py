@@ -84,7 +84,7 @@ def _signals(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def prepare(batch, dp_group: Any, state: Any = None, *, rho_minus: float = 0.2, rho_plus: float = 0.2, **_):
     """τ⁻ and τ⁺ of the global batch (over every DP rank's loss tokens) into ``batch.extras``."""
-    if IDS not in batch.token_extras:  # a pipeline stage without the teacher's top-K runs no loss
+    if STUDENT not in batch.token_extras:  # not the last pipeline stage: no loss runs here
         return batch
     a, d = _signals(batch)
     valid = batch.loss_mask > 0
@@ -97,12 +97,12 @@ def prepare(batch, dp_group: Any, state: Any = None, *, rho_minus: float = 0.2, 
 
 def gates(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(A⁻, A⁺) [T] bool against the prepared thresholds."""
+    a, d = _signals(batch)
     if TAU_MINUS not in batch.extras:
         raise ValueError(
             "regulariser tide: batch.extras has no 'tide_tau_minus': call objective.prepare(batch, "
             "dp_group) on the whole batch before splitting it"
         )
-    a, d = _signals(batch)
     cu, valid = batch.cu_seqlens, batch.loss_mask > 0
     neg = torch.clamp(-a, min=0.0)
     in_minus = valid & (neg >= broadcast_to_tokens(batch.extras[TAU_MINUS], cu)) & (a < 0)
