@@ -17,14 +17,6 @@ JL_COS_TOL = 0.12
 JL_WEIGHT_TOL = 0.12
 
 
-def _gather_tp(t: torch.Tensor, group) -> torch.Tensor:
-    if group is None:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts)
-
-
 def _projection(r: int, seed: int, name: str, local: int, sharded: bool, tp: int, tp_rank: int):
     """This rank's columns of a layer's projection, derived here from the full seeded matrix."""
     from megarl.methods.gradients.sketch import seeded_gaussian
@@ -57,7 +49,14 @@ def case_gupo(args, moe: bool, layout_name: str, num_micro: int = 1) -> dict:
     from megarl.methods.gradients.sketch import GroupSketcher, sequence_sketches
     from megarl.objectives.api import GlobalNormalisers
     from reference import gradients as ref
-    from tests.learner.dist_cases import LAYOUTS, dp_shard, learner_for, make_batch, make_hf_model
+    from tests.learner.dist_cases import (
+        LAYOUTS,
+        dp_shard,
+        learner_for,
+        make_batch,
+        make_hf_model,
+        max_over_world,
+    )
 
     _, d = make_hf_model(moe, args.workdir)
     ln = learner_for(LAYOUTS[layout_name], d)
@@ -75,15 +74,21 @@ def case_gupo(args, moe: bool, layout_name: str, num_micro: int = 1) -> dict:
     norms = GlobalNormalisers.from_batch(local, dp_group)
     u = sequence_sketches(ln, sk, local, rows, B, obj, num_micro, norms)
 
+    mp = g.mp if dist.get_world_size(g.mp) > 1 else None  # TP x PP: disjoint pieces of the model
     exact, exact_sk = [], []
     for s in range(B):  # every rank: sequence s alone, gradients of its own shard
         ln.backward_pass(batch.select([s]), obj, 1, norms)
         vec, part = _local_grads(sk)
-        if tp_group is not None:
-            dist.all_reduce(part, group=tp_group)
-        exact.append(_gather_tp(vec, tp_group))
+        exact.append(vec)
         exact_sk.append(part)
-    exact_v, exact_s = torch.stack(exact), torch.stack(exact_sk)
+    exact_local, exact_s = torch.stack(exact), torch.stack(exact_sk)
+    gram = exact_local @ exact_local.T  # the exact Gram matrix: local pieces summed over TP x PP
+    if mp is not None:
+        dist.all_reduce(exact_s, group=mp)
+        dist.all_reduce(gram, group=mp)
+    # vectors with exactly these inner products (GUPO reads inner products only)
+    evals, evecs = torch.linalg.eigh(gram)
+    exact_v = evecs * evals.clamp(min=0).sqrt()
     d_sketch = float((u - exact_s).abs().max() / exact_s.abs().max())
 
     group_of = torch.unique(batch.group_ids, return_inverse=True)[1]
@@ -112,9 +117,8 @@ def case_gupo(args, moe: bool, layout_name: str, num_micro: int = 1) -> dict:
     vec, _ = _local_grads(sk)
     if dp_group is not None:
         dist.all_reduce(vec, group=dp_group)
-    got = _gather_tp(vec, tp_group)
-    want = (w[group_of].double()[:, None] * exact_v).sum(0)
-    out["d_weighted_rel"] = float((got.double() - want).abs().max() / want.abs().max())
+    want = (w[group_of].double()[:, None] * exact_local).sum(0)
+    out["d_weighted_rel"] = max_over_world(float((vec.double() - want).abs().max() / want.abs().max()))
     ok &= out["d_weighted_rel"] <= 1e-5
     out["ok"] = bool(ok)
     return out

@@ -72,9 +72,11 @@ CASES_2 = [
     "gupo:dense:tp2:2",
     "gupo:dense:tp2sp",
     "gupo:moe:ep2",
+    "gupo:dense:pp2:2",
     "gcpo:dense:tp2",
     "gcpo:moe:ep2",
     "gcpo:moe:tp2sp",
+    "gcpo:dense:pp2",
     "selfteacher:dense:tp2",
     "selfteacher:moe:ep2",
 ]

@@ -1,7 +1,7 @@
 """GCPO: the sharded bilateral projection and the principal-subspace overlap equal
 reference/gradients.py at TP 1 and 2 (rows or columns sharded); the method's invariants on the
 reference formulas. The hook inside the optimizer step of the Megatron learner is checked in
-tests/learner (gradient_cases.py: gcpo:* at TP2, TP1/DP2, MoE EP2 and TP2+SP)."""
+tests/learner (gradient_cases.py: gcpo:* at TP2, PP2, MoE EP2 and MoE TP2+SP)."""
 
 import pytest
 import torch
