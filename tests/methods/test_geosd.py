@@ -1,8 +1,7 @@
 """GeoSD: megarl's regulariser (TP 1/2, DP 1/2, micro-batched) equals reference/distillation.py:
 geosd_loss in loss and gradient; the geometric invariants (H² and d_FR ranges, symmetry, triangle
 inequality, the Hellinger pull fading where the student has no mass, zero proximal term and
-gradient at the checkpoint); the self-teacher's logits with empty contexts are the policy's own and
-with a context those of the concatenated sequence; the lagged copy refreshes every K steps."""
+gradient at the checkpoint); the lagged copy holds its weights between refreshes."""
 
 from __future__ import annotations
 
@@ -16,10 +15,8 @@ import reference.distillation as rd
 from megarl.batch import from_sequences, unpack
 from megarl.methods.distillation.geosd import (
     CHECKPOINT,
-    TEACHER,
     CheckpointPass,
     fisher_rao_sq,
-    self_teacher_logits,
 )
 from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
 from megarl.ops import comm
@@ -45,8 +42,8 @@ def _padded(b, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Sharded:
-    """The objective with this TP rank's vocab shard of the full-vocab token extras (as the
-    teacher and checkpoint passes leave them on each rank)."""
+    """The objective with this TP rank's vocab shard of the checkpoint's logits (as the checkpoint
+    pass leaves them on each rank; the harness shards the teacher's logits itself)."""
 
     def __init__(self, cfg, tp: int):
         self.obj, self.tp = build_objective(cfg), tp
@@ -68,7 +65,7 @@ def test_matches_reference(case, tp, dp, mb):
     b = case.batch
     g = torch.Generator().manual_seed(b.num_tokens)
     ck = case.logits + 0.5 * torch.randn(case.logits.shape, generator=g, dtype=torch.float64)
-    b.token_extras = {TEACHER: case.teacher_logits, CHECKPOINT: ck}
+    b.token_extras = {CHECKPOINT: ck}  # the self-teacher's logits: case.teacher_logits
     reg = case.cfg.regularisers[0]
     mb = min(mb, -(-b.num_seqs // dp))
 
@@ -131,34 +128,25 @@ def _tiny_policy(seed: int = 3):
     return build_learner(hf, groups, OptimConfig(), seed=seed, trainable=False), hf, groups
 
 
-def test_self_teacher_logits_and_the_lagged_copy():
+def test_the_lagged_copy_holds_its_weights_between_refreshes():
     from megarl.learner.factory import build_learner
     from megarl.learner.optim_config import OptimConfig
 
     policy, hf, groups = _tiny_policy()
     b = from_sequences([[1, 5, 6], [1, 7]], [[8, 9, 10], [11, 12, 13, 14]], [0, 1])
-    nan = float("nan")
-    empty = torch.full((2, 3), nan, dtype=torch.float64)
     own = policy.compute_logits(b, 1)
-    assert torch.equal(self_teacher_logits(policy, b, empty, 2), own)  # no context: the policy's own
-    rows = torch.tensor([[20.0, 21.0, nan], [nan, nan, nan]], dtype=torch.float64)
-    joined = from_sequences([[1, 5, 6, 20, 21], [1, 7]], [[8, 9, 10], [11, 12, 13, 14]], [0, 1])
-    want = policy.compute_logits(joined, 1)
-    got = self_teacher_logits(policy, b, rows, 1)
-    resp = b.loss_mask.bool()
-    torch.testing.assert_close(got[resp], want[joined.loss_mask.bool()], rtol=0, atol=1e-5)
-
     copy = build_learner(hf, groups, OptimConfig(), seed=9, trainable=False)
     p = CheckpointPass(copy, policy, refresh_every=2)
-    p.fill(b, 1)  # step 1: refreshed to the policy
+    assert p.fill(b, 1) == {"geosd/checkpoint_age": 0.0}  # step 1: refreshed to the policy
     torch.testing.assert_close(b.token_extras[CHECKPOINT], own, rtol=0, atol=0)
     with torch.no_grad():
         for w in policy.model.parameters():
             w.add_(0.05)
-    p.fill(b, 1)  # step 2: still the old weights
+    assert p.fill(b, 1) == {"geosd/checkpoint_age": 1.0}  # step 2: still the old weights
     torch.testing.assert_close(b.token_extras[CHECKPOINT], own, rtol=0, atol=0)
     p.fill(b, 1)  # step 3: refreshed
     torch.testing.assert_close(b.token_extras[CHECKPOINT], policy.compute_logits(b, 1), rtol=0, atol=0)
+    assert not torch.equal(b.token_extras[CHECKPOINT], own)
 
 
 def test_missing_inputs_are_named():

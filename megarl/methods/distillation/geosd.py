@@ -8,8 +8,9 @@ Per position, over the full vocabulary (vocab-parallel, never gathered):
 
 - p_T: the self-teacher, the policy's own weights reading the prompt with a privileged context
   (the reference answer, a correct sibling, a majority-vote answer: the ``self_teacher_context``
-  round input) before the response; input ``self_teacher_logits``, one extra forward-only pass of
-  the policy over prompt + context + response, logits mapped back to the response's positions.
+  round input) before the response; input ``self_teacher_logits`` (the self-teacher's provider,
+  megarl/methods/distillation/self_teacher.py: a forward of prompt + context + response, logits
+  mapped back to the batch's tokens), which reaches the loss as ``LossContext.teacher_logits``.
   The Hellinger pull on a teacher token u is weighted by sqrt(q_θ(u)): it fades for tokens the
   student cannot support yet (forward KL's pull stays p_T(u)).
 - q_ck: a lagged copy of the policy (input ``checkpoint_logits``): a forward-only learner that
@@ -30,8 +31,6 @@ from typing import Any
 import torch
 
 from megarl.batch import PackedBatch
-from megarl.methods.critics.privileged import privileged_batch
-from megarl.methods.distillation.self_teacher import CONTEXT, context_rows
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops.vocab_parallel import vocab_parallel_bhattacharyya, vocab_parallel_hellinger_sq
 from megarl.plugin.inputs import InputProvider, register_provider
@@ -39,7 +38,7 @@ from megarl.plugin.knobs import Knobs
 from megarl.plugin.spec import MethodSpec
 from megarl.registry import PartInfo
 
-TEACHER, CHECKPOINT = "self_teacher_logits", "checkpoint_logits"  # token_extras [T, V/tp]
+TEACHER, CHECKPOINT = "self_teacher_logits", "checkpoint_logits"  # inputs (logits [T, V/tp])
 BC_MAX = 1.0 - 1e-7
 
 
@@ -52,39 +51,18 @@ def fisher_rao_sq(bc: torch.Tensor) -> torch.Tensor:
 
 def geosd(logits, logp, old_logp, batch, ctx, beta: float = 0.1) -> torch.Tensor:
     """Per-token H²(p_T, q_θ) + β d_FR(q_θ, q_ck)² (the objective aggregates it, times ``coef``)."""
-    ex = batch.token_extras
-    missing = [k for k in (TEACHER, CHECKPOINT) if k not in ex]
-    if missing:
-        raise ValueError(f"regulariser geosd needs token_extras[{missing[0]!r}] (input {missing[0]})")
-    teacher = ex[TEACHER].to(logits.device).detach()
-    ck = ex[CHECKPOINT].to(logits.device).detach()
+    if ctx.teacher_logits is None:
+        raise ValueError(
+            "regulariser geosd needs the self-teacher's logits (input self_teacher_logits: "
+            "LossContext.teacher_logits [T, V/tp])"
+        )
+    if CHECKPOINT not in batch.token_extras:
+        raise ValueError(f"regulariser geosd needs token_extras[{CHECKPOINT!r}] (input {CHECKPOINT})")
+    teacher = ctx.teacher_logits.to(logits.device).detach()
+    ck = batch.token_extras[CHECKPOINT].to(logits.device).detach()
     h2 = vocab_parallel_hellinger_sq(teacher, logits, ctx.tp_group, ctx.chunk_tokens)
     bc = vocab_parallel_bhattacharyya(logits, ck, ctx.tp_group, ctx.chunk_tokens)
     return (h2 + beta * fisher_rao_sq(bc)).to(logp.dtype)
-
-
-def self_teacher_logits(policy: Any, batch: PackedBatch, rows: torch.Tensor, micro_batches: int):
-    """This rank's shard of the policy's logits [T, V/tp] at the batch's positions with each
-    sequence's context row after its prompt (last pipeline stage; None elsewhere). A sequence
-    without a context gets the policy's own logits."""
-    seen, index = privileged_batch(batch, rows)
-    logits = policy.compute_logits(seen, max(1, min(micro_batches, seen.num_seqs)))
-    return None if logits is None else logits[index.to(logits.device)]
-
-
-class SelfTeacherLogits:
-    """The ``self_teacher_logits`` learner pass (reads the ``self_teacher_context`` round input)."""
-
-    def __init__(self, policy: Any):
-        self.policy = policy
-        self.needs_inputs: tuple[str, ...] = (CONTEXT,)
-
-    def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
-        """In place (collective)."""
-        logits = self_teacher_logits(self.policy, batch, context_rows(batch), micro_batches)
-        if logits is not None:
-            batch.token_extras[TEACHER] = logits
-        return {}
 
 
 @dataclass
@@ -137,14 +115,6 @@ def _checkpoint(ctx: Any, names: frozenset) -> CheckpointPass:
     return CheckpointPass(copy, ctx.policy, ctx.knobs.refresh_every)
 
 
-register_provider(
-    InputProvider(
-        (TEACHER,),
-        "learner",
-        lambda ctx, names: SelfTeacherLogits(ctx.policy),
-        summary="the policy's own logits with a privileged context after the prompt (one extra forward)",
-    )
-)
 register_provider(
     InputProvider(
         (CHECKPOINT,),
