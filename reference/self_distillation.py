@@ -11,6 +11,7 @@ I-SDPO (reconstructed from the abstract; the distillation term follows SDPO's sa
   sd_t = -sg(teacher_logp - old_logp) · exp(logp - sg(old_logp))   (sampled-token reverse KL)
   N_route: the route's loss-token count (token-mean) or its sequence count (seq-mean-*, with the
   per-sequence token mean inside for seq-mean-token-mean).
+  Full-vocabulary variant (SDPO's full_logits): sd_t = KL(π_T(·|x, c, y_<t) ‖ π_θ(·|x, y_<t)).
 """
 
 import torch
@@ -69,13 +70,21 @@ def isdpo_loss(
     clip_high: float = 0.28,
     sd_coef: float = 1.0,
     aggregation: str = "token-mean",
+    teacher_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """I-SDPO loss (module docstring). logits [B, L, V]; tokens, mask, adv, old_logp, teacher_logp
-    [B, L]; teacher_on [B] (sequences the self-teacher scored), correct [B], group_ids [B]."""
+    [B, L]; teacher_on [B] (sequences the self-teacher scored), correct [B], group_ids [B].
+    With ``teacher_logits`` [B, L, V] the distil route's term is the full-vocabulary forward KL
+    KL(π_T ‖ π_θ) per token instead of the sampled-token reverse KL (SDPO's full_logits mode)."""
     logp = _logp(logits, tokens)
     distil = isdpo_routes(correct, group_ids)
     pg = ppo_clip(logp, old_logp, adv, clip_low, clip_high)
-    sd = sampled_reverse_kl(logp, old_logp, teacher_logp) * teacher_on[:, None].to(logp.dtype)
+    if teacher_logits is None:
+        sd = sampled_reverse_kl(logp, old_logp, teacher_logp)
+    else:
+        lt, ls = torch.log_softmax(teacher_logits.detach(), -1), torch.log_softmax(logits, -1)
+        sd = (lt.exp() * (lt - ls)).sum(-1)
+    sd = sd * teacher_on[:, None].to(logp.dtype)
     return route_mean(pg, mask, ~distil, aggregation) + sd_coef * route_mean(sd, mask, distil, aggregation)
 
 

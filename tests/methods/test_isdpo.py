@@ -174,3 +174,55 @@ def test_spec_example_and_mismatched_aggregation_is_refused():
     del b.extras["self_teacher_correct"]
     with pytest.raises(ValueError, match="self_teacher_correct"):
         isdpo_rule(b)
+
+
+FULL = st.builds(
+    lambda agg, coef: ObjectiveConfig(
+        policy_loss="isdpo",
+        aggregation=agg,
+        policy_loss_args={"aggregation": agg, "sd_coef": 0.0},
+        regularisers=[{"name": "isdpo_kl", "coef": coef, "aggregation": agg}],
+    ),
+    st.sampled_from(AGGS),
+    st.sampled_from([1.0, 0.5]),
+)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    case=rl_cases(torch.float64, cfgs=FULL),
+    layout=st.sampled_from([(1, 1, 1), (2, 2, 2), (2, 1, 3)]),
+    data=st.data(),
+)
+def test_full_vocabulary_distillation_matches_reference(case, layout, data):
+    tp, dp, mb = layout
+    correct, on = _set_up(case, data, dp)
+    b = case.batch  # even groups all wrong (distil), every other sequence unread by the self-teacher
+    correct = correct & (b.group_ids % 2 == 1)
+    on = torch.arange(b.num_seqs) % 2 == 0
+    b.extras.update(self_teacher_correct=correct.double(), self_teacher_on=on.double())
+    set_routes(b, isdpo_rule(b).routes)
+    coef = case.cfg.regularisers[0]["coef"]
+
+    def fn(full, pad):
+        _, old, adv, mask = padded_inputs(full, pad)
+        teacher = torch.zeros_like(full, requires_grad=False)
+        teacher[pad.attention_mask] = case.teacher_logits
+        return ref.isdpo_loss(
+            full,
+            pad.tokens,
+            mask,
+            adv,
+            old,
+            pad.per_token["self_teacher_logprobs"],
+            on,
+            correct,
+            pad.per_seq["group_ids"],
+            sd_coef=coef,
+            aggregation=case.cfg.aggregation,
+            teacher_logits=teacher,
+        )
+
+    assert_equivalent(
+        megarl_method_loss_and_grad(case, tp, dp, mb), reference_method_loss_and_grad(case, fn), case.logits
+    )

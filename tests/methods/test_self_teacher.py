@@ -54,6 +54,20 @@ class TinyCausalLM(torch.nn.Module):
         out[1:] = lp[:-1].gather(-1, x[0, 1:, None])[:, 0]
         return out
 
+    @torch.no_grad()
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """Aligned logits [L, V]: row t scored tokens[t] (row 0: the first position's own)."""
+        x = torch.tensor(tokens)[None]
+        h = self.emb(x) + self.pos(torch.arange(x.shape[1]))[None]
+        causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        z = self.head(h + self.att(h, h, h, attn_mask=causal)[0])[0]
+        return torch.cat([z[:1], z[:-1]])
+
+    def compute_logits(self, batch, micro_batches: int = 1):
+        """The learner's contract: aligned logits [T, V] of a packed batch."""
+        cu = batch.cu_seqlens.tolist()
+        return torch.cat([self.logits(batch.tokens[a:b].tolist()) for a, b in itertools.pairwise(cu)])
+
     def compute_logprobs(self, batch, micro_batches: int = 1):
         """The learner's contract: logprobs [T] of a packed batch (micro-batches hold whole sequences)."""
         assert 1 <= micro_batches <= batch.num_seqs
@@ -95,6 +109,31 @@ def test_logprobs_equal_a_plain_forward_of_the_concatenated_sequence(case, micro
         resp = b.loss_mask[cu[i] : cu[i + 1]].bool()
         if ctx and resp.any():  # the context changes the response's logprobs
             assert not torch.equal(got[resp], student[cu[i] : cu[i + 1]][resp].float())
+
+
+def test_logits_are_the_concatenated_sequences_at_the_batchs_tokens():
+    b = build_batch(
+        [3, 2, 4], [4, 5, 2], [0, 0, 1], [False] * 11, V, torch.Generator().manual_seed(5), torch.float64
+    )
+    model = TinyCausalLM(2)
+    rows = torch.full((3, 3), math.nan, dtype=torch.float64)
+    rows[0, :2] = torch.tensor([4.0, 7.0])
+    rows[2, :3] = torch.tensor([1.0, 2.0, 3.0])
+    b.extras[CONTEXT] = rows
+    SelfTeacher(model, TeacherKnobs(), frozenset({"self_teacher_logprobs", "self_teacher_logits"})).fill(b, 2)
+    got = b.token_extras["teacher_logits"]
+    cu = b.cu_seqlens.tolist()
+    for i, k in ((0, 2), (2, 3)):
+        p, seq = int(b.prompt_lens[i]), b.tokens[cu[i] : cu[i + 1]].tolist()
+        full = model.logits(seq[:p] + [int(x) for x in rows[i, :k]] + seq[p:])
+        torch.testing.assert_close(got[cu[i] + p : cu[i + 1]], full[p + k :], rtol=0, atol=0)
+        lp = torch.log_softmax(got[cu[i] + p : cu[i + 1]], -1).gather(-1, torch.tensor(seq[p:])[:, None])[
+            :, 0
+        ]
+        torch.testing.assert_close(lp.float(), b.self_teacher_logprobs[cu[i] + p : cu[i + 1]])
+    assert bool((got[cu[1] : cu[2]] == 0).all())  # not forwarded
+    with pytest.raises(ValueError, match="already carries a teacher's logits"):
+        SelfTeacher(model, TeacherKnobs(), frozenset({"self_teacher_logits"})).fill(b, 1)
 
 
 def test_empty_contexts_give_the_policys_logprobs_exactly():

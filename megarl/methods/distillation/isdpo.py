@@ -23,8 +23,10 @@ from megarl.methods.distillation.routes import (
     prepare_routes,
     route_scale,
 )
-from megarl.methods.distillation.self_teacher import CORRECT, LOGPROBS, ON
+from megarl.methods.distillation.self_teacher import CORRECT, LOGITS, LOGPROBS, ON
 from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
+from megarl.objectives.regularisers import REGULARISERS
+from megarl.ops.vocab_parallel import vocab_parallel_kl
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.spec import MethodParts, MethodSpec
 from megarl.registry import PartInfo
@@ -87,6 +89,32 @@ POLICY_LOSSES.add(
     "isdpo",
     isdpo_loss,
     PartInfo(batch_inputs=("routes", LOGPROBS), prepare=_prepare, needs_context=True),
+)
+
+
+def isdpo_kl(logits, logp, old_logp, batch, ctx, aggregation: str = "token-mean"):
+    """Full-vocabulary distillation of the distil route: route scale x KL(self-teacher ‖ policy)
+    per token over the vocabulary (vocab-parallel), the self-teacher's logits from
+    ``LossContext.teacher_logits`` (stop-gradient); 0 on the grpo route and on sequences the
+    self-teacher did not read. Use with ``policy_loss_args.sd_coef: 0``."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(
+            f"regularisers: isdpo_kl aggregation={aggregation!r}; known: {', '.join(AGGREGATIONS)}"
+        )
+    if ctx.teacher_logits is None:
+        raise ValueError(f"regulariser isdpo_kl needs the self-teacher's logits (the {LOGITS} input)")
+    distil = batch.extras["routes"].to(logp.dtype).repeat_interleave(batch.seq_lens)
+    on = batch.extras[ON].to(logp.dtype).repeat_interleave(batch.seq_lens)
+    kl = vocab_parallel_kl(ctx.teacher_logits.detach(), logits, ctx.tp_group, ctx.chunk_tokens)
+    return route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * distil * on * kl
+
+
+REGULARISERS.add(
+    "isdpo_kl",
+    isdpo_kl,
+    PartInfo(
+        batch_inputs=("routes", LOGITS), prepare=lambda b, g, st, **kw: prepare_routes(b, len(NAMES), g)
+    ),
 )
 
 

@@ -21,6 +21,11 @@ Two batch inputs:
   (default) forwards only the sequences that have a context (the others get 0 and
   ``extras['self_teacher_on'] = 0``); ``forward: all`` forwards every sequence, so a sequence
   without a context gets exactly the policy's own logprobs.
+- ``self_teacher_logits`` (same provider, when a part asks for it): a second forward of the same
+  privileged batch keeps this rank's vocab shard of the self-teacher's aligned logits, mapped to
+  the batch's tokens, in ``token_extras['teacher_logits']`` [T, V/tp] (the slot the objective hands
+  to full-vocabulary parts as ``LossContext.teacher_logits``; refused when a teacher's logits are
+  already there).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ CONTEXT = "self_teacher_context"
 CORRECT = "self_teacher_correct"
 ON = "self_teacher_on"
 LOGPROBS = "self_teacher_logprobs"
+LOGITS = "self_teacher_logits"
 SOURCES = ("answer", "sibling", "majority")
 WHEN = ("all", "incorrect", "group_all_wrong", "longest_incorrect")
 
@@ -224,45 +230,79 @@ def context_rows(batch: PackedBatch) -> torch.Tensor:
     return torch.as_tensor(rows, dtype=torch.float64)
 
 
+def _privileged(batch: PackedBatch, rows: torch.Tensor, forward: str):
+    """(forwarded sequences [B] bool, the privileged batch of those or None, index of their
+    tokens in it, their token positions in ``batch``)."""
+    has = (
+        ~torch.isnan(rows).all(1)
+        if forward == "with_context"
+        else torch.ones(batch.num_seqs, dtype=torch.bool)
+    )
+    ids = has.nonzero()[:, 0]
+    if ids.numel() == 0:
+        return has, None, None, None
+    sub = batch if forward == "all" else batch.select(ids)
+    seen, index = privileged_batch(sub, rows[ids])
+    tok = torch.cat(
+        [torch.arange(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])) for i in ids.tolist()]
+    )
+    return has, seen, index, tok
+
+
 def self_teacher_logprobs(
     policy: Any, batch: PackedBatch, rows: torch.Tensor, micro_batches: int, forward: str = "with_context"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [T] of the batch's tokens under ``policy`` with each sequence's context row
     inserted after its prompt, which sequences were forwarded [B] bool). ``policy``: anything
     with ``compute_logprobs(batch, micro_batches) -> (logprobs [T], _)`` (collective)."""
-    has = (
-        ~torch.isnan(rows).all(1)
-        if forward == "with_context"
-        else torch.ones(batch.num_seqs, dtype=torch.bool)
-    )
+    has, seen, index, tok = _privileged(batch, rows, forward)
     out = torch.zeros(batch.num_tokens, dtype=torch.float32)
-    ids = has.nonzero()[:, 0]
-    if ids.numel() == 0:
+    if seen is None:
         return out, has
-    sub = batch if forward == "all" else batch.select(ids)
-    seen, index = privileged_batch(sub, rows[ids])
     lp, _ = policy.compute_logprobs(seen, max(1, min(micro_batches, seen.num_seqs)))
-    tok = torch.cat(
-        [torch.arange(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])) for i in ids.tolist()]
-    )
     out[tok] = lp[index].float()
     return out, has
 
 
-class SelfTeacher:
-    """The ``self_teacher_logprobs`` learner pass (see the module docstring)."""
+def self_teacher_logits(
+    policy: Any, batch: PackedBatch, rows: torch.Tensor, micro_batches: int, forward: str = "with_context"
+) -> torch.Tensor | None:
+    """This rank's vocab shard of the self-teacher's aligned logits at the batch's tokens
+    ``[T, V/tp]`` (zeros on sequences not forwarded), on the last pipeline stage; None elsewhere or
+    when nothing is forwarded. ``policy``: ``compute_logits(batch, micro_batches)`` (collective)."""
+    _, seen, index, tok = _privileged(batch, rows, forward)
+    if seen is None:
+        return None
+    logits = policy.compute_logits(seen, max(1, min(micro_batches, seen.num_seqs)))
+    if logits is None:
+        return None
+    out = logits.new_zeros((batch.num_tokens, logits.shape[-1]))
+    out[tok.to(logits.device)] = logits[index.to(logits.device)]
+    return out
 
-    def __init__(self, policy: Any, knobs: TeacherKnobs):
-        self.policy, self.knobs = policy, knobs
+
+class SelfTeacher:
+    """The ``self_teacher_logprobs`` / ``self_teacher_logits`` learner pass (module docstring)."""
+
+    def __init__(self, policy: Any, knobs: TeacherKnobs, names: frozenset = frozenset({LOGPROBS})):
+        self.policy, self.knobs, self.names = policy, knobs, names
         self.needs_inputs: tuple[str, ...] = (CONTEXT,)  # the round input it reads
 
     def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
         """In place (collective); the fraction of sequences forwarded with a context."""
-        lp, has = self_teacher_logprobs(
-            self.policy, batch, context_rows(batch), micro_batches, self.knobs.forward
-        )
+        rows = context_rows(batch)
+        lp, has = self_teacher_logprobs(self.policy, batch, rows, micro_batches, self.knobs.forward)
         batch.self_teacher_logprobs = lp
         batch.extras[ON] = has.to(torch.float64)
+        if LOGITS in self.names:
+            if "teacher_logits" in batch.token_extras:
+                raise ValueError(
+                    f"{LOGITS}: the batch already carries a teacher's logits "
+                    "(token_extras['teacher_logits']); a run distils from one full-vocabulary teacher"
+                )
+            logits = self_teacher_logits(self.policy, batch, rows, micro_batches, self.knobs.forward)
+            if logits is not None:
+                batch.token_extras["teacher_logits"] = logits
         return {"self_teacher/forwarded_frac": float(has.double().mean()) if has.numel() else 0.0}
 
 
@@ -278,9 +318,9 @@ SELF_TEACHER_CONTEXT = register_provider(
 )
 SELF_TEACHER = register_provider(
     InputProvider(
-        (LOGPROBS,),
+        (LOGPROBS, LOGITS),
         "learner",
-        lambda ctx, names: SelfTeacher(ctx.policy, ctx.knobs),
+        lambda ctx, names: SelfTeacher(ctx.policy, ctx.knobs, frozenset(names)),
         knobs=TeacherKnobs,
         summary="the policy's own logprobs with a privileged context after the prompt (one extra forward)",
     )
