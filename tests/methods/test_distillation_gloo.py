@@ -1,7 +1,10 @@
-"""Distillation family over real gloo collectives (two spawned processes as two data-parallel
-ranks): the batch-global quantile gates and the parts that use them give on DP=2 exactly what the
-whole batch gives on one rank. The simulated tier (tests/unit/test_quantile_gates.py and the
-per-method tests) covers the search space; this checks the real transport."""
+"""Distillation family over real gloo collectives (two spawned processes): as two data-parallel
+ranks, the batch-global quantile gates and RSTG's prepare give exactly what the whole batch gives on
+one rank; as two tensor-parallel ranks (2 micro-batches), the RSTG, Self-Routing and SKALD losses
+and logits gradients equal their references. The simulated tier (tests/unit/test_quantile_gates.py
+and the per-method tests) covers the search space; this checks the real transport."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,9 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megarl.methods.distillation import rstg
+from megarl.objectives.rl_objective import build_objective
 from megarl.ops.quantile import global_quantile, top_fraction_mask, top_fraction_threshold
+from megarl.testing.equivalence import gather_rank_results
 from megarl.testing.gloo_pool import GlooPool
+from tests.methods import test_rstg, test_self_routing, test_skald
 from tests.methods.test_rstg import _batch
+from tests.methods.trust_regions_harness import assert_equivalent
+from tests.property.strategies import rl_cases
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +78,21 @@ def test_rstg_prepare_dp2_equals_dp1(gloo2, seed, cut, rho, rewards):
     want = rstg.prepare(b, None, **knobs).extras
     for k, v in want.items():
         assert torch.equal(torch.cat([outs[0][k], outs[1][k]]), v), k
+
+
+def _over_gloo(pool, case):
+    """The objective prepared on the whole batch in the driver, then TP=2 over gloo, 2 micro-batches."""
+    b = build_objective(case.cfg).prepare(case.batch, None)
+    prepared = dataclasses.replace(case, batch=b)
+    return gather_rank_results(pool.run("megarl.testing.equivalence:gloo_case_entry", (prepared, 2, 1, 2)))
+
+
+@settings(max_examples=2)
+@given(data=st.data())
+def test_losses_over_gloo_tp2(gloo2, data):
+    """RSTG, Self-Routing and SKALD (whose tilted normaliser is a vocab-parallel reduction of its own)
+    at TP=2 over real gloo equal their references."""
+    for mod in (test_rstg, test_self_routing, test_skald):
+        case = data.draw(rl_cases(torch.float64, cfgs=mod.CFGS, vocab_sizes=(8, 12)))
+        mod._set_up(case, data, 1)
+        assert_equivalent(_over_gloo(gloo2, case), mod._reference(case), case.logits)
