@@ -79,6 +79,10 @@ CASES_2 = [
     "gcpo:dense:pp2",
     "selfteacher:dense:tp2",
     "selfteacher:moe:ep2",
+    "fullvocab:dense:tp2",
+    "fullvocab:dense:pp2",
+    "fullvocab:moe:ep2",
+    "fullvocab:moe:tp2sp",
 ]
 # 4 processes on CI's 2 cores: kept short. (expert_tp > 1 together with ep > 1 cannot run on gloo:
 # megatron's alltoall dispatcher all-gathers unequal token counts over the expert-TP group.)
