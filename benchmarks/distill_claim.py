@@ -39,9 +39,6 @@ RUNS: dict[str, tuple[str, bool, list[str]]] = {
     "rstg": ("examples/methods/rstg.yaml", True, [NO_KL]),
     "self_routing": ("examples/methods/self-routing.yaml", False, [NO_KL]),
     "skald": ("examples/methods/skald.yaml", True, [NO_KL]),
-    "rstg": ("examples/methods/rstg.yaml", True, [NO_KL]),
-    "self_routing": ("examples/methods/self-routing.yaml", False, [NO_KL]),
-    "skald": ("examples/methods/skald.yaml", True, [NO_KL]),
 }
 
 
