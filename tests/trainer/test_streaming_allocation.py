@@ -190,3 +190,23 @@ def test_a_prompt_chooser_picks_the_round_prompts(parts):
     assert [rows[u].task for u in chosen] == ["a"] * alloc.last_counts["a"] + ["b"] * alloc.last_counts["b"]
     assert sorted(alloc.stats) == sorted({rows[u].task for u in chosen})
     assert b.stats["method"]["pac/a/prompts"] == alloc.last_counts["a"]
+
+
+def test_a_token_budget_caps_what_the_step_is_charged(parts):
+    """With a token budget of 2 groups' worth of max_new_tokens, the step's charges (landed tokens;
+    max_new_tokens per abandoned sample that did not count) stay within it, and it opens fewer
+    prompts than the same allocator under its sample budget alone."""
+
+    class TokenCapped(AbandonOnFailure):
+        def budget(self, n, max_new_tokens):
+            return StepBudget(samples=self.want * n, tokens=2 * n * max_new_tokens)
+
+    _, free, _ = run_step(parts, AbandonOnFailure(), step=5)
+    _, sched, b = run_step(parts, TokenCapped(), step=5)
+    cap = 2 * N * sched.max_new
+    charged = sum(
+        s.tokens() + (s.issued - len(s.outcomes)) * sched.max_new * (s.state == "abandoned")
+        for s in sched.slots
+    )
+    assert charged <= cap and len(sched.slots) < len(free.slots), (charged, cap, len(sched.slots))
+    assert b.stats["budget_tokens"] == sum(s.tokens() for s in sched.slots)
