@@ -461,6 +461,17 @@ def skald_tilted_loss(
     return -(w * ls).sum(-1)
 
 
+def skald_topk_loss(
+    student_logits: torch.Tensor, ids: torch.Tensor, teacher_topk_logp: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """L_β over the teacher's top-K ids: q̄_T = softmax of the teacher's K logprobs, log p_S at the ids,
+    w_k = softmax_k(log q̄_T(k) + β log p_S(k)) (stop-grad), L = −Σ_k w_k log p_S(k).
+    student_logits [B, L, V], ids and teacher_topk_logp [B, L, K] -> [B, L]"""
+    ls = torch.log_softmax(student_logits, -1).gather(-1, ids)
+    w = torch.softmax((torch.log_softmax(teacher_topk_logp, -1) + beta * ls).detach(), -1)
+    return -(w * ls).sum(-1)
+
+
 def skald_gate(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,

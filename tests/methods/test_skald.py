@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 import reference.distillation as rd
 from megarl.batch import from_sequences
-from megarl.methods.distillation.skald import prepare, skald_beta, tilted_log_weights, tilted_loss
+from megarl.methods.distillation.skald import (
+    prepare,
+    skald_beta,
+    tilted_log_weights,
+    tilted_loss,
+    tilted_topk_loss,
+)
 from megarl.objectives.api import GlobalNormalisers, LossContext
 from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
 from megarl.testing.equivalence import split_sequences
@@ -84,6 +90,83 @@ def test_matches_reference(case, tp, dp, mb, data):
     _set_up(case, data, dp)
     mb = min(mb, -(-case.batch.num_seqs // dp))
     assert_equivalent(megarl_method_loss_and_grad(case, tp, dp, mb), _reference(case), case.logits)
+
+
+TOPK_CFGS = st.builds(
+    lambda knobs: ObjectiveConfig(
+        policy_loss="ppo",
+        aggregation="token-mean",
+        regularisers=[{"name": "skald_topk", "coef": 0.5, **knobs}],
+    ),
+    KNOBS,
+)
+
+
+def _with_topk(case, k):
+    """The teacher's top-k ids and logprobs from the case's teacher logits, in token_extras."""
+    lt = torch.log_softmax(case.teacher_logits, -1)
+    vals, ids = torch.topk(lt, k, -1)
+    case.batch.token_extras = {"teacher_topk_ids": ids, "teacher_topk_logprobs": vals}
+
+
+@settings(max_examples=8)
+@given(
+    case=rl_cases(torch.float64, cfgs=TOPK_CFGS, vocab_sizes=(8, 12)),
+    k=st.sampled_from([1, 3, 8]),
+    tp=st.sampled_from([1, 2]),
+    dp=st.sampled_from([1, 2]),
+    data=st.data(),
+)
+def test_topk_matches_reference(case, k, tp, dp, data):
+    _set_up(case, data, dp)
+    _with_topk(case, k)
+    reg = case.cfg.regularisers[0]
+    b = case.batch
+    gate = rd.skald_gate(b.rewards, b.group_ids, reg["gate"], b.extras["teacher_acc"], reg["margin"])
+
+    def fn(full, pad):
+        logp, old, adv, _ = padded_inputs(full, pad)
+        am = pad.attention_mask
+        ids = torch.zeros(am.shape + (k,), dtype=torch.long)
+        lq = torch.zeros(am.shape + (k,), dtype=torch.float64)
+        ids[am], lq[am] = b.token_extras["teacher_topk_ids"], b.token_extras["teacher_topk_logprobs"]
+        pg = aggregate(ppo_clip(logp, old, adv), pad, "token-mean")
+        tilted = rd.skald_topk_loss(full, ids, lq, rd.skald_beta(0, reg["beta0"], 0)) * gate[:, None]
+        return pg + 0.5 * aggregate(tilted, pad, "token-mean")
+
+    mb = min(2, -(-b.num_seqs // dp))
+    assert_equivalent(
+        megarl_method_loss_and_grad(case, tp, dp, mb), reference_method_loss_and_grad(case, fn), case.logits
+    )
+
+
+@settings(max_examples=6)
+@given(seed=st.integers(0, 1000), tp=st.sampled_from([1, 2]), beta=st.sampled_from([0.0, 0.7]))
+def test_topk_with_every_id_is_the_full_vocabulary_loss(seed, tp, beta):
+    g = torch.Generator().manual_seed(seed)
+    zs, zt = (
+        torch.randn(5, 8, generator=g, dtype=torch.float64),
+        torch.randn(5, 8, generator=g, dtype=torch.float64),
+    )
+    vals, ids = torch.topk(torch.log_softmax(zt, -1), 8, -1)
+
+    def both(s, t, grp):
+        out = []
+        for f in (
+            lambda x: tilted_loss(x, t, beta, grp),
+            lambda x: tilted_topk_loss(x, ids, vals, beta, grp),
+        ):
+            x = s.clone().requires_grad_(True)
+            v = f(x)
+            v.sum().backward()
+            out.append((v.detach(), x.grad))
+        return out
+
+    for full, topk in SimulatedWorld(tp).run(
+        lambda r, grp: both(zs.chunk(tp, -1)[r], zt.chunk(tp, -1)[r], grp if tp > 1 else None)
+    ):
+        torch.testing.assert_close(topk[0], full[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(topk[1], full[1], rtol=1e-12, atol=1e-12)
 
 
 def _on_ranks(tp, fn, *xs):

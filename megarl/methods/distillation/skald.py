@@ -19,7 +19,10 @@ in ``prepare``:
 - ``always``.
 
 The teacher's logits reach the loss as ``LossContext.teacher_logits`` [T, V/tp], sharded like the
-student's (the ``teacher_logits`` input of a Megatron teacher, ``teacher.hf_dir``).
+student's (the ``teacher_logits`` input of a Megatron teacher, ``teacher.hf_dir``). The regulariser
+``skald_topk`` restricts the tilt to the teacher's top-K ids (input ``teacher_topk``: a Megatron or
+an engine-served teacher; K values per token instead of V/tp): q_T renormalised over the K ids, the
+student's logprobs gathered at them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from megarl.advantages.estimators import scalar_rewards
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops import comm
 from megarl.ops.segments import broadcast_to_tokens, group_all_equal, group_mean
-from megarl.ops.vocab_parallel import vocab_parallel_logsumexp
+from megarl.ops.vocab_parallel import vocab_parallel_gather_logprobs, vocab_parallel_logsumexp
 from megarl.plugin.spec import MethodSpec
 from megarl.registry import PartInfo
 
@@ -74,6 +77,23 @@ def tilted_loss(
     total = comm.all_reduce(mine.detach().clone(), "sum", tp_group)
     # the value is lse − Σ_v w z over the full vocabulary; the other shards' part is a constant here
     return vocab_parallel_logsumexp(z, tp_group) - (mine + (total - mine.detach()))
+
+
+def tilted_topk_loss(
+    student_logits: torch.Tensor,
+    ids: torch.Tensor,
+    teacher_topk_logp: torch.Tensor,
+    beta: float,
+    tp_group: Any = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """L_β restricted to the teacher's top-K ids [T, K] (their logprobs [T, K] renormalised over the
+    K): w_k ∝ q̄_T(k) p_S(k)^β over the K ids, L = −Σ_k w_k log p_S(k); [T, V/tp] -> [T]. With K = V
+    it is ``tilted_loss``."""
+    ls = vocab_parallel_gather_logprobs(student_logits, ids.long().clamp(min=0), tp_group, chunk_tokens)
+    lq = torch.log_softmax(teacher_topk_logp.to(ls.dtype), -1)
+    w = torch.softmax(lq + beta * ls.detach(), -1)
+    return -(w * ls).sum(-1)
 
 
 def prepare(
@@ -125,7 +145,27 @@ def skald(logits, logp, old_logp, batch, ctx, **knobs) -> torch.Tensor:
     return g * tilted_loss(logits, ctx.teacher_logits, beta, ctx.tp_group).to(logp.dtype)
 
 
+def skald_topk(logits, logp, old_logp, batch, ctx, **knobs) -> torch.Tensor:
+    """Per-token g_i · L_{β_t} over the teacher's top-K (``token_extras`` teacher_topk_ids/logprobs)."""
+    if GATE not in batch.extras:
+        raise ValueError(
+            "regulariser skald_topk: batch.extras has no 'skald_gate': call objective.prepare(batch, "
+            "dp_group) on the whole batch before splitting it"
+        )
+    ex = batch.token_extras
+    if "teacher_topk_ids" not in ex or "teacher_topk_logprobs" not in ex:
+        raise ValueError(
+            "regulariser skald_topk needs token_extras teacher_topk_ids/logprobs (input teacher_topk)"
+        )
+    beta = skald_beta(ctx.step, knobs.get("beta0", 1.0), knobs.get("anneal_steps", 0))
+    ids = ex["teacher_topk_ids"].to(logits.device)
+    lq = ex["teacher_topk_logprobs"].to(logits.device)
+    g = broadcast_to_tokens(batch.extras[GATE].to(logp.dtype), batch.cu_seqlens)
+    return g * tilted_topk_loss(logits, ids, lq, beta, ctx.tp_group, ctx.chunk_tokens).to(logp.dtype)
+
+
 REGULARISERS.add("skald", skald, PartInfo(batch_inputs=("teacher_logits",), prepare=prepare))
+REGULARISERS.add("skald_topk", skald_topk, PartInfo(batch_inputs=("teacher_topk",), prepare=prepare))
 
 SPEC = MethodSpec(
     name="skald",
