@@ -54,7 +54,7 @@ class _Sharded:
         return self.obj(logits, dataclasses.replace(batch, token_extras=ex), ctx)
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(
     case=rl_cases(torch.float64, cfgs=CFGS, vocab_sizes=(4, 8, 12)),
     tp=st.sampled_from([1, 2]),
