@@ -22,6 +22,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.methods.distillation",
     "megarl.methods.allocation",
     "megarl.methods.gradients",
+    "megarl.methods.agents",
     "megarl.rewards.shaping",
     "megarl.plugin.core_inputs",
     "megarl.rollout.workflow",
@@ -82,6 +83,7 @@ METHODS: dict[str, str] = {
     "geosd": "megarl.methods.distillation.geosd:SPEC",
     "opdvr": "megarl.methods.distillation.opdvr:OPDVR",
     "grpd": "megarl.methods.distillation.opdvr:GRPD",
+    "regen": "megarl.methods.agents.regen:SPEC",
 }
 
 _loaded = False

@@ -211,6 +211,7 @@ def check_signal(name: str, r: dict) -> None:
             "ra-opd": "ra_opd/kept_frac",
             "opdvr": "opdvr/zeroed_frac",
             "grpd": "grpd/zeroed_frac",
+            "regen": "train/regen/weight",
         }.get(name)
         if key is not None:
             assert len(_any(r, key)) == STEPS, sorted(r["steps"][-1])
