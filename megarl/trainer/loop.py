@@ -36,6 +36,16 @@ from megarl.trainer.setup import log
 from megarl.trainer.step_metrics import batch_metrics, rollout_metrics
 
 
+def mini_batch_bounds(num_groups: int, mini_batches: int, dp: int) -> list[int]:
+    """Group boundaries of a step's mini-batches: at most ``mini_batches``, each with at least ``dp``
+    groups so that every data-parallel replica gets one (a variable-size batch, e.g. from an
+    allocator that commits few groups); [] when there are fewer groups than replicas."""
+    if num_groups < dp:
+        return []
+    nmb = min(mini_batches, num_groups // dp)
+    return torch.linspace(0, num_groups, nmb + 1).round().long().tolist()
+
+
 class SyncRollouts:
     """The synchronous rollout source: each step's batch is collected when the step asks."""
 
@@ -209,8 +219,10 @@ class Trainer:
         out: list[dict] = []
         gids = torch.unique(batch.group_ids).tolist()
         for _epoch in range(s.ppo_epochs):
-            nmb = min(s.mini_batches, len(gids))
-            bounds = torch.linspace(0, len(gids), nmb + 1).round().long().tolist()
+            bounds = mini_batch_bounds(len(gids), s.mini_batches, run.groups.dp_size)
+            if not bounds:
+                log(f"step {step}: {len(gids)} group(s) for {run.groups.dp_size} replicas; no update")
+                return out
             for a, b in itertools.pairwise(bounds):
                 keep = set(gids[a:b])
                 mb = batch.select([i for i, g in enumerate(batch.group_ids.tolist()) if g in keep])

@@ -69,6 +69,8 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     # self-teacher a context so that its forward runs in the smoke's 2 steps
     "sc-grpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
+    # room for the 4 groups of the smoke's 2 mini-batches x 2 replicas after abandoned prompts
+    "sara": {"method": {"budget_samples": 64}},
 }
 
 
