@@ -211,10 +211,12 @@ def check_signal(name: str, r: dict) -> None:
             "ra-opd": "ra_opd/kept_frac",
             "opdvr": "opdvr/zeroed_frac",
             "grpd": "grpd/zeroed_frac",
-            "regen": "train/regen/weight",
+            "regen": "regen/replay_written",
         }.get(name)
         if key is not None:
             assert len(_any(r, key)) == STEPS, sorted(r["steps"][-1])
+        if name == "regen":
+            assert len(_any(r, "train/regen/weight")) == STEPS and min(_any(r, key)) > 0
 
 
 @pytest.mark.parametrize("model", MODELS)

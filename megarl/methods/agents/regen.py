@@ -18,12 +18,16 @@ Provenance: code, the authors' trainer (REGEN, arXiv 2607.19450).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.ops.segments import broadcast_to_tokens, segment_masked_mean, segment_sum
-from megarl.plugin.spec import MethodSpec
+from megarl.plugin.knobs import Knobs
+from megarl.plugin.spec import MethodParts, MethodSpec
 from megarl.registry import PartInfo
 
 BEHAVIOUR_NLL = "behaviour_nll"  # extras key: z_b = −log μ(y_b|x_b), [B]
@@ -120,9 +124,33 @@ def _token_metrics(
 
 POLICY_LOSSES.add("regen", regen, PartInfo(token_metrics=_token_metrics, needs_context=True))
 
+
+@dataclass
+class RegenKnobs(Knobs):
+    """replay_out: a folder to write each RL step's episodes to (megarl/methods/agents/replay.py;
+    relative to the run directory; empty: none written)."""
+
+    replay_out: str = ""
+
+
+def build(ctx: Any, knobs: RegenKnobs) -> MethodParts:
+    """With ``replay_out``, the step hook that writes the run's episodes after the advantage step."""
+    if not knobs.replay_out:
+        return MethodParts()
+    from megarl.methods.agents.replay import ReplayWriter, chat_template, tokenizer_fingerprint
+
+    folder = Path(ctx.cfg.logging.run_dir) / knobs.replay_out
+    template = chat_template(ctx.tokenizer, bool(ctx.cfg.data.chat_template))
+    return MethodParts(
+        step_hooks=[ReplayWriter(folder, tokenizer_fingerprint(ctx.tokenizer), template, ctx.rank0)]
+    )
+
+
 SPEC = MethodSpec(
     name="regen",
     summary="REGEN: advantage-weighted likelihood, truncated-IS-weighted on negative samples",
     provenance="code",
     config={"objective": {"policy_loss": "regen", "aggregation": "seq-mean-token-sum"}},
+    knobs=RegenKnobs,
+    build=build,
 )
