@@ -82,8 +82,9 @@ def _ensure_optimizer_state(learner: Learner) -> None:
 
     megatron-core 0.16.1 without Apex/TE reads one 'step' out of the torch Adam state in
     ``DistributedOptimizer.state_dict()`` (assert len(steps) == 1), but its ``init_state_fn`` creates
-    only exp_avg / exp_avg_sq, so loading into a learner that has not stepped yet fails.
-    The loaded checkpoint overwrites these values.
+    only exp_avg / exp_avg_sq, so loading into a learner that has not stepped yet fails, and so does
+    saving one (a learner whose weights moved without an optimizer step: evolution strategies). The
+    loaded checkpoint overwrites these values; a state that exists is left as it is.
     """
     for opt in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]):
         inner = getattr(opt, "optimizer", None)
@@ -390,6 +391,8 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
             shutil.rmtree(tmp)  # left over from a crashed save
         os.makedirs(tmp)
     dist.barrier()
+    if learner.optimizer is not None:  # an optimizer that never stepped (weights moved otherwise, e.g. ES)
+        _ensure_optimizer_state(learner)
     state = _sharded_state(learner, is_loading=False)
     state["scheduler"] = learner.scheduler.state_dict()
     state["step"] = learner.step

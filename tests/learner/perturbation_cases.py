@@ -5,6 +5,8 @@ HF tensors equal reference/perturbation.py's noise on the unsharded HF weights b
 gives every parameter (the distributed optimizer's fp32 master weights) its old bits back; the ES
 noise-sum update from seeds and scalar rewards equals the reference update on the HF tensors; the
 3PO hook exports θ + σε(id(version)) and leaves θ, and exports θ itself at σ = 0.
+``es_ckpt:<dense|moe>:<layout>``: a learner moved by ES only (its optimizer never stepped) saves a
+checkpoint and loads bit for bit; both then take the same optimizer step.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def case_perturb(args, moe: bool, layout_name: str) -> dict:
     pert = WeightPerturbation.of_model(ln.model, ln.groups)
     out: dict = {}
 
-    pert.perturb(11, 0.05)
-    bad_perturbed = _mismatched(dict(iter_hf_tensors(ln.model, ln.groups)), rp.perturb_state(hf, 11, 0.05))
+    pert.perturb(11, 1e-3)  # mostly the sparse record (3PO below, σ = 0.02: mostly chunk copies)
+    bad_perturbed = _mismatched(dict(iter_hf_tensors(ln.model, ln.groups)), rp.perturb_state(hf, 11, 1e-3))
     pert.restore()
     out["patched_elements"] = pert.patched_elements
     bad_restore = [n for n, p in params.items() if not torch.equal(_bits(p.detach()), _bits(before[n]))]
@@ -82,4 +84,36 @@ def case_perturb(args, moe: bool, layout_name: str) -> dict:
     return out
 
 
-CASES = {"perturb": case_perturb}
+def case_es_checkpoint(args, moe: bool, layout_name: str) -> dict:
+    """ES moves the weights without an optimizer step: such a learner saves, loads bit for bit into a
+    fresh learner, and both then take the same optimizer step (GRPO after ES)."""
+    from megarl.learner.dist_checkpoint import load_checkpoint, save_checkpoint
+    from tests.learner.dist_cases import (
+        LAYOUTS,
+        PolicyGradientObjective,
+        dp_shard,
+        learner_for,
+        make_batch,
+        make_hf_model,
+        max_over_world,
+    )
+
+    _, d = make_hf_model(moe, args.workdir)
+    ln = learner_for(LAYOUTS[layout_name], d)
+    WeightPerturbation.of_model(ln.model, ln.groups).add_noise_sum([3, 5], [1e-3, -2e-3])
+    saved = {k: v.clone() for k, v in iter_hf_tensors(ln.model, ln.groups)}
+    ckpt = os.path.join(args.workdir, f"es-ckpt-{'moe' if moe else 'dense'}-{layout_name}")
+    save_checkpoint(ln, ckpt)
+    ln2 = learner_for(LAYOUTS[layout_name], d)
+    load_checkpoint(ln2, ckpt)
+    after_load = _mismatched(dict(iter_hf_tensors(ln2.model, ln2.groups)), saved)
+    batch = make_batch(11)
+    for x in (ln, ln2):
+        x.train_step(dp_shard(batch, x), PolicyGradientObjective())
+    a, b = dict(iter_hf_tensors(ln.model, ln.groups)), dict(iter_hf_tensors(ln2.model, ln2.groups))
+    after_step = _mismatched(a, b)
+    n = max_over_world(float(len(after_load) + len(after_step)))
+    return {"differ_after_load": after_load[:3], "differ_after_step": after_step[:3], "ok": n == 0}
+
+
+CASES = {"perturb": case_perturb, "es_ckpt": case_es_checkpoint}

@@ -54,7 +54,7 @@ def estimate(step: int, n: int, sigma: float, antithetic: bool, mode: str = "non
 
 def test_estimator_mean_approaches_the_gradient_and_antithetic_is_unbiased_with_lower_variance():
     grad = -2 * (THETA - STAR)
-    K, sigma = 300, 0.1
+    K, sigma = 200, 0.1
     fill_eps(
         [s for k in range(K) for s in member_seeds(0, k, 4)]
         + [s for k in range(K) for s in member_seeds(0, 10_000 + k, 8) + member_seeds(0, 20_000 + k, 8)]
@@ -108,7 +108,7 @@ def test_hook_climbs_a_quadratic_pushing_every_member_and_restoring_theta():
     before = w.data.clone()
     m = hook.after_step(3, {})
     mem = members(member_seeds(0, 3, 4), True)
-    assert [lbl for lbl, _ in pushed] == [f"es-3-{i}" for i in range(8)]
+    assert [lbl for lbl, _ in pushed] == ["es-member"] * 8
     for (s, sign), (_, p) in zip(mem, pushed):  # member m saw θ + s σ ε(seed), from the same θ
         assert torch.equal(p, rp.perturb_state({"w": before}, s, sign * 0.05)["w"])
     r = torch.tensor([-float((p**2).sum()) for _, p in pushed], dtype=torch.float64)

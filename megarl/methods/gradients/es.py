@@ -157,7 +157,8 @@ class ESUpdate:
     def _score(self, step: int, m: int) -> float:
         """Rank 0: the member's mean reward on the step's prompts."""
         ctx, p = self.ctx, self.prompts
-        params = [ctx.sampling(step, 1000 + m, i, greedy=self.knobs.greedy) for i in range(len(p.prompt_ids))]
+        # the same sampling seeds for every member (common random numbers): members differ by weights only
+        params = [ctx.sampling(step, 1000, i, greedy=self.knobs.greedy) for i in range(len(p.prompt_ids))]
 
         async def generate_all() -> list:  # gathered inside the engine's loop
             return await asyncio.gather(
@@ -177,7 +178,7 @@ class ESUpdate:
         rewards: list[float] = []
         for m, (s, sign) in enumerate(mem):
             with self.perturbation.applied(s, sign * k.sigma):
-                self.ctx.push_weights(f"es-{step}-{m}")
+                self.ctx.push_weights("es-member")  # one export folder for all members (server engines)
                 if self.ctx.rank0:
                     rewards.append(self.score(step, m))
         box = [rewards]

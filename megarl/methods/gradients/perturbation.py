@@ -9,10 +9,11 @@ equals the unsharded model's under any layout (and the HF-space noise of referen
 ``WeightPerturbation(model, groups)`` (no collectives):
 
 - ``perturb(seed, sigma)``: ``θ ← θ + σ·ε(seed)``, computed in float32 and stored in the
-  parameters' dtype. Before writing, it records the elements where subtracting the same noise again
-  would not give the old bits back (``fl(fl(θ+σε)−σε) ≠ θ``) with their old values;
-- ``restore()``: subtracts the regenerated noise and writes the recorded elements back: the
-  parameters are bit-identical to before ``perturb``;
+  parameters' dtype. Before writing, it records, per chunk, the elements where subtracting the same
+  noise again would not give the old bits back (``fl(fl(θ+σε)−σε) ≠ θ``) with their old values, or
+  a copy of the chunk where that record would be larger (at most the parameters' own size);
+- ``restore()``: subtracts the regenerated noise and writes the recorded elements back (or copies the
+  chunk back): the parameters are bit-identical to before ``perturb``;
 - ``add_noise_sum(seeds, coeffs)``: ``θ ← θ + Σ_n c_n ε(seed_n)`` (the ES update), float32 params only.
 
 With float32 parameters megatron's distributed optimizer steps on views of the parameters, so the
@@ -51,11 +52,12 @@ class ParamNoise:
     def noise(self, seed: int, rows: slice | None = None) -> torch.Tensor:
         """Standard normals of rows ``rows`` of this parameter (float32, shape [r, C])."""
         rows = rows or slice(0, self.row_base.numel())
-        keys = torch.tensor([tensor_key(seed, n) for n in self.names], dtype=torch.int64)
-        ids = self.key_ids[rows]
+        dev = self.param.device  # generated where the parameter lives
+        keys = torch.tensor([tensor_key(seed, n) for n in self.names], dtype=torch.int64, device=dev)
+        ids = self.key_ids[rows].to(dev)
         k0, k1 = keys[ids, 0].unsqueeze(1), keys[ids, 1].unsqueeze(1)
-        counters = self.row_base[rows].unsqueeze(1) + self.cols.unsqueeze(0)
-        return gaussian(k0, k1, counters).to(self.param.device)
+        counters = self.row_base[rows].to(dev).unsqueeze(1) + self.cols.to(dev).unsqueeze(0)
+        return gaussian(k0, k1, counters)
 
     def row_chunks(self) -> Iterator[slice]:
         """Row ranges of about ``CHUNK_ELEMENTS`` elements."""
@@ -142,8 +144,9 @@ class WeightPerturbation:
     def __init__(self, maps: list[ParamNoise]):
         self.maps = maps
         self._active: tuple[int, float] | None = None
-        self._patch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._patch: list = []  # per chunk: (map, rows, (int32 indices, old values) or (None, a copy))
         self.patched_elements = 0  # elements restored from the record at the last restore
+        self.recorded_bytes = 0  # the record's size at the last restore
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, groups) -> WeightPerturbation:
@@ -165,22 +168,19 @@ class WeightPerturbation:
         self._patch = []
         for m in self.maps:
             w = m.view2d()
-            idx_all, val_all = [], []
             for rows in m.row_chunks():
                 old = w[rows]
                 eps = sigma * m.noise(seed, rows)
                 new = (old.float() + eps).to(old.dtype)
                 back = (new.float() - eps).to(old.dtype)
                 bad = (_bits(back) != _bits(old)).flatten().nonzero().flatten()
-                if bad.numel():
-                    idx_all.append(bad + rows.start * w.shape[1])
-                    val_all.append(old.flatten()[bad].clone())
+                size = old.element_size()
+                if bad.numel() * (4 + size) < old.numel() * size:  # the record is smaller than a copy
+                    rec = (bad.to(torch.int32), old.flatten()[bad].clone())
+                else:
+                    rec = (None, old.clone())
+                self._patch.append((m, rows, rec))
                 old.copy_(new)
-            self._patch.append(
-                (torch.cat(idx_all), torch.cat(val_all))
-                if idx_all
-                else (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=w.dtype))
-            )
         self._active = (int(seed), float(sigma))
 
     @torch.no_grad()
@@ -190,14 +190,19 @@ class WeightPerturbation:
             raise RuntimeError("restore() without a perturbation in place")
         seed, sigma = self._active
         n = 0
-        for m, (idx, vals) in zip(self.maps, self._patch):
-            w = m.view2d()
-            for rows in m.row_chunks():
-                cur = w[rows]
-                cur.copy_((cur.float() - sigma * m.noise(seed, rows)).to(cur.dtype))
+        for m, rows, (idx, vals) in self._patch:
+            cur = m.view2d()[rows]
+            if idx is None:  # a copy of the chunk was cheaper than the record
+                cur.copy_(vals)
+                n += vals.numel()
+                continue
+            cur.copy_((cur.float() - sigma * m.noise(seed, rows)).to(cur.dtype))
             if idx.numel():
-                w.view(-1)[idx] = vals
+                cur.view(-1)[idx.long()] = vals
                 n += idx.numel()
+        self.recorded_bytes = sum(
+            v.numel() * v.element_size() + (0 if i is None else i.numel() * 4) for _, _, (i, v) in self._patch
+        )
         self.patched_elements = n
         self._patch, self._active = [], None
 
