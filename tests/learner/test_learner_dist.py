@@ -57,6 +57,7 @@ CASES_2 = [
     "export:moe:ep2",
     "perturb:dense:tp2",
     "perturb:moe:ep2",
+    "perturb:dense:pp2",
     "es_ckpt:moe:ep2",
     "objective:dense:tp1",
     "objective:dense:tp2",
