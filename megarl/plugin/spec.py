@@ -57,16 +57,32 @@ class ShardedState(Protocol):
     def load_sharded(self, directory: Path) -> None: ...
 
 
+@runtime_checkable
+class BatchSource(Protocol):
+    """Each RL step's batch from somewhere other than the rollouts (offline or replayed episodes):
+    ``next_batch(step)`` runs on every rank and must give every rank the same whole batch (its
+    ``advantages`` filled or left to the estimator); its state (a cursor) goes in checkpoints."""
+
+    def next_batch(self, step: int) -> PackedBatch: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 @dataclass
 class MethodParts:
     """What a method adds to a run beyond the registered objective parts it names in ``config``:
-    rank 0's round processors (after the reward shaper) and step hooks, and the run's rollout
+    rank 0's round processors (after the reward shaper) and step hooks, the run's rollout
     allocator (an ``Allocator`` or a ``StreamingAllocator``, megarl/plugin/allocation.py; None: the
-    one ``sampling`` configures). Its state is saved in checkpoints like a round processor's."""
+    one ``sampling`` configures; its state is saved in checkpoints like a round processor's), and a
+    ``BatchSource`` (None: the steps train on rollouts; else on its batches, and no rollouts are
+    made for training)."""
 
     round_processors: list[Any] = field(default_factory=list)
     step_hooks: list[Any] = field(default_factory=list)
     allocator: Any = None
+    batch_source: Any = None
 
 
 @dataclass(frozen=True)

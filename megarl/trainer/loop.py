@@ -3,7 +3,7 @@
 One step::
 
     rollouts (the run's rollout source: the collector now, or the async producer's queue)
-      -> broadcast to every rank -> packed batch
+      -> broadcast to every rank -> packed batch   (or the method's batch source's batch)
       -> learner inputs (old logprobs, entropies, reference, teacher: one pass each, as required)
       -> batch inputs (turn structure, method extras, reward dimensions) -> advantages
       -> ppo_epochs x mini_batches optimizer steps (step hooks around them)
@@ -164,18 +164,23 @@ class Trainer:
         """One RL step (collective); returns its metrics record."""
         run, cfg = self.r, self.cfg
         t_step = time.time()
-        payload: list = [self.source.take(step) if run.rank0 else None]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(payload, src=0)
-        ro, rstats = payload[0]
         rec: dict = {"step": step}
-        if not ro.group_ids:
-            log(f"step {step}: every group had equal rewards (dynamic sampling); no update this step")
-            rec.update(rollout_metrics(run, ro, rstats))
-            self.source.update_weights(step)
-            return rec
-        batch = build_batch(ro, step)
-        info = RolloutInfo(ro.answers, ro.reward_dims, ro.extras)
+        if run.method.batch_source is not None:  # offline / replayed batches: no rollouts to train on
+            ro, rstats = None, {"gen_time": 0.0, "reward_time": 0.0}
+            batch = run.method.batch_source.next_batch(step)
+            info = RolloutInfo([""] * batch.num_seqs, {})
+        else:
+            payload: list = [self.source.take(step) if run.rank0 else None]
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(payload, src=0)
+            ro, rstats = payload[0]
+            if not ro.group_ids:
+                log(f"step {step}: every group had equal rewards (dynamic sampling); no update this step")
+                rec.update(rollout_metrics(run, ro, rstats))
+                self.source.update_weights(step)
+                return rec
+            batch = build_batch(ro, step)
+            info = RolloutInfo(ro.answers, ro.reward_dims, ro.extras)
         run.method.add_round_extras(batch, info)  # learner passes may read them too
         t0 = time.time()
         rec.update(run.method.fill_learner_inputs(batch, cfg.schedule.micro_batches))
@@ -196,7 +201,8 @@ class Trainer:
         for k in train_metrics[-1] if train_metrics else ():
             rec[f"train/{k}"] = sum(m[k] for m in train_metrics) / len(train_metrics)
         rec["train/optimizer_steps"] = len(train_metrics)
-        rec.update(rollout_metrics(run, ro, rstats))
+        if ro is not None:
+            rec.update(rollout_metrics(run, ro, rstats))
         rec.update(batch_metrics(batch))
         train_tokens = batch.num_tokens * cfg.schedule.ppo_epochs
         rec.update(

@@ -107,6 +107,7 @@ class MethodRuntime:
     round_processors: list = field(default_factory=list)
     step_hooks: list = field(default_factory=list)
     allocator: Any = None  # the method's rollout allocator (rank 0), None: the configured one
+    batch_source: Any = None  # the method's BatchSource (every rank), None: train on rollouts
 
     # ------------------------------------------------------------------ building
     @staticmethod
@@ -148,6 +149,7 @@ class MethodRuntime:
                 self.round_processors += parts.round_processors
                 self.allocator = parts.allocator
             self.step_hooks += parts.step_hooks
+            self.batch_source = parts.batch_source
 
     # ------------------------------------------------------------------ using
     def fill_learner_inputs(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
@@ -189,8 +191,8 @@ class MethodRuntime:
             part.load_sharded(ckpt / name)
 
     def state_dict(self) -> dict:
-        """The estimator's state, every round processor's and hook's, and the method allocator's
-        (rank 0's view)."""
+        """The estimator's state, every round processor's and hook's, the method allocator's and
+        batch source's (rank 0's view)."""
         out = {
             "estimator": None if self.advantages.state is None else self.advantages.state.state_dict(),
             "round_processors": [p.state_dict() for p in self.round_processors],
@@ -198,6 +200,8 @@ class MethodRuntime:
         }
         if hasattr(self.allocator, "state_dict"):
             out["allocator"] = self.allocator.state_dict()
+        if self.batch_source is not None:
+            out["batch_source"] = self.batch_source.state_dict()
         return out
 
     def load_state_dict(self, state: dict, rank0: bool = True) -> None:
@@ -229,6 +233,13 @@ class MethodRuntime:
                     f"allocator ({type(self.allocator).__name__})"
                 )
             self.allocator.load_state_dict(state["allocator"])
+        if self.batch_source is not None:  # the same on every rank
+            if "batch_source" not in state:
+                raise ValueError(
+                    f"checkpoint method state has no batch source state, but this run's method has one "
+                    f"({type(self.batch_source).__name__})"
+                )
+            self.batch_source.load_state_dict(state["batch_source"])
 
 
 def _providers(wanted: dict[str, str]) -> list[tuple[Any, list[str]]]:

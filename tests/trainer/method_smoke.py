@@ -71,6 +71,8 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
     # room for the 4 groups of the smoke's 2 mini-batches x 2 replicas after abandoned prompts
     "sara": {"method": {"budget_samples": 64}},
+    # the smoke's run directory is shared: replay what examples/methods/regen.yaml (run before it) wrote
+    "regen-replay": {"method": {"replay_in": "replay"}},
 }
 
 

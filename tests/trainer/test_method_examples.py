@@ -257,3 +257,14 @@ def test_engine_teacher_gives_the_megatron_teachers_loss(model, tmp_path_factory
     assert a and b and "error" not in a and "error" not in b, res["__run__"]["tail"]
     da, db = a["steps"][0]["train/distill"], b["steps"][0]["train/distill"]
     assert abs(da - db) < 1e-4 * max(1.0, abs(da)), (da, db)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_regen_replay_trains_like_the_run_that_wrote_the_episodes(model, tmp_path_factory):
+    """regen-replay's steps train on the episodes regen wrote (same initial policy): the same losses."""
+    res = results(model, tmp_path_factory.getbasetemp())
+    a, b = res["regen"], res["regen-replay"]
+    assert "rollout/samples" not in b["steps"][0]  # no rollouts were taken for training
+    for sa, sb in zip(a["steps"], b["steps"], strict=True):
+        assert sb["train/loss"] == pytest.approx(sa["train/loss"], rel=1e-5, abs=1e-6)
+        assert sb["train/regen/weight"] == pytest.approx(sa["train/regen/weight"], rel=1e-5)

@@ -1,7 +1,7 @@
 """Method family: agents (offline and replayed data for agent training), as plugins.
 
-Importing this package registers the policy loss ``regen``. Formulas: reference/agents.py; docs:
-docs/methods/regen.md.
+Importing this package registers the policy loss ``regen`` and the advantage estimator ``stored``.
+Formulas: reference/agents.py; docs: docs/methods/regen.md.
 """
 
-from megarl.methods.agents import regen  # noqa: F401
+from megarl.methods.agents import regen, replay  # noqa: F401

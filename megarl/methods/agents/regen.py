@@ -127,23 +127,46 @@ POLICY_LOSSES.add("regen", regen, PartInfo(token_metrics=_token_metrics, needs_c
 
 @dataclass
 class RegenKnobs(Knobs):
-    """replay_out: a folder to write each RL step's episodes to (megarl/methods/agents/replay.py;
-    relative to the run directory; empty: none written)."""
+    """replay_out: a folder to write each RL step's episodes to; replay_in: a folder of replay files
+    to train on instead of rollouts; replay_batch: episodes per RL step from replay_in (0: the run's
+    prompts_per_step x rollout.n). Folders are relative to the run directory; empty: off
+    (megarl/methods/agents/replay.py)."""
 
     replay_out: str = ""
+    replay_in: str = ""
+    replay_batch: int = 0
+
+    def check(self) -> None:
+        """Ranges."""
+        if self.replay_batch < 0:
+            raise ValueError(f"method.replay_batch={self.replay_batch} must be >= 0")
 
 
 def build(ctx: Any, knobs: RegenKnobs) -> MethodParts:
-    """With ``replay_out``, the step hook that writes the run's episodes after the advantage step."""
-    if not knobs.replay_out:
+    """``replay_out``: the step hook that writes the run's episodes after the advantage step;
+    ``replay_in``: the batch source that replays stored episodes (stored advantages, NLLs, labels)."""
+    if not (knobs.replay_out or knobs.replay_in):
         return MethodParts()
-    from megarl.methods.agents.replay import ReplayWriter, chat_template, tokenizer_fingerprint
-
-    folder = Path(ctx.cfg.logging.run_dir) / knobs.replay_out
-    template = chat_template(ctx.tokenizer, bool(ctx.cfg.data.chat_template))
-    return MethodParts(
-        step_hooks=[ReplayWriter(folder, tokenizer_fingerprint(ctx.tokenizer), template, ctx.rank0)]
+    from megarl.methods.agents.replay import (
+        ReplayReader,
+        ReplaySource,
+        ReplayWriter,
+        chat_template,
+        tokenizer_fingerprint,
     )
+
+    run_dir = Path(ctx.cfg.logging.run_dir)
+    fp, template = (
+        tokenizer_fingerprint(ctx.tokenizer),
+        chat_template(ctx.tokenizer, bool(ctx.cfg.data.chat_template)),
+    )
+    parts = MethodParts()
+    if knobs.replay_out:
+        parts.step_hooks.append(ReplayWriter(run_dir / knobs.replay_out, fp, template, ctx.rank0))
+    if knobs.replay_in:
+        size = knobs.replay_batch or ctx.cfg.schedule.prompts_per_step * ctx.cfg.rollout.n
+        parts.batch_source = ReplaySource(ReplayReader(run_dir / knobs.replay_in, fp, template), size)
+    return parts
 
 
 SPEC = MethodSpec(

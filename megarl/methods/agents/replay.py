@@ -2,13 +2,16 @@
 back by another run.
 
 One file per RL step (``step_000001.parquet`` in the replay folder), one row per sequence:
-``prompt_ids``, ``response_ids``, ``loss_mask`` (per response token), ``advantage`` (A_b, the mean
-of the advantages over the loss tokens), ``behaviour_nll`` (z_b = −Σ_t of the rollout log-probs
-over the loss tokens), ``origin`` (``negative`` where A_b < 0, else ``positive``), ``group_id`` and
-``step``. The file's metadata holds ``megarl.tokenizer`` (a fingerprint of the tokenizer's vocabulary)
-and ``megarl.chat_template`` (the template the prompts were formatted with): a reader refuses a file
-whose values differ from its own run's, naming the file and the field, since z_b is only meaningful
-for the same token ids.
+``prompt_ids``, ``response_ids``, ``loss_mask`` and ``rollout_logprobs`` (per response token),
+``advantage`` (A_b, the mean of the advantages over the loss tokens), ``behaviour_nll``
+(z_b = −Σ_t of the rollout log-probs over the loss tokens), ``origin`` (``negative`` where A_b < 0,
+else ``positive``), ``group_id`` and ``step``. The file's metadata holds ``megarl.tokenizer`` (a
+fingerprint of the tokenizer's vocabulary) and ``megarl.chat_template`` (the template the prompts
+were formatted with): a reader refuses a file whose values differ from its own run's, naming the
+file and the field, since z_b is only meaningful for the same token ids.
+
+Another run trains on the files through ``ReplaySource`` (a method's batch source), with the
+advantage estimator ``stored`` (the replayed advantages as they are).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, per_token
 from megarl.batch import PackedBatch, from_sequences
 from megarl.methods.agents.regen import BEHAVIOUR_NLL, ORIGIN_NEGATIVE
 from megarl.ops.segments import segment_masked_mean, segment_sum
 
+STORED_ADVANTAGE = "stored_advantage"  # extras key: the replayed A_b, [B]
 META_FIELDS = ("megarl.tokenizer", "megarl.chat_template")
 ORIGINS = ("positive", "negative")
 SCHEMA = pa.schema(
@@ -34,6 +39,7 @@ SCHEMA = pa.schema(
         ("prompt_ids", pa.list_(pa.int64())),
         ("response_ids", pa.list_(pa.int64())),
         ("loss_mask", pa.list_(pa.float32())),
+        ("rollout_logprobs", pa.list_(pa.float32())),
         ("advantage", pa.float64()),
         ("behaviour_nll", pa.float64()),
         ("origin", pa.string()),
@@ -79,6 +85,7 @@ def episode_rows(batch: PackedBatch, step: int) -> list[dict]:
                 "prompt_ids": batch.tokens[s : s + p].tolist(),
                 "response_ids": batch.tokens[s + p : e].tolist(),
                 "loss_mask": batch.loss_mask[s + p : e].float().tolist(),
+                "rollout_logprobs": behaviour[s + p : e].float().tolist(),
                 "advantage": float(adv[b]),
                 "behaviour_nll": float(nll[b]),
                 "origin": "negative" if float(adv[b]) < 0 else "positive",
@@ -163,21 +170,68 @@ class ReplayReader:
 
 
 def episodes_batch(rows: list[dict]) -> PackedBatch:
-    """A packed batch of replayed episodes with their stored advantages used as they are (broadcast
-    over the loss tokens), the stored loss mask, and ``extras`` ``behaviour_nll``/``origin_negative``."""
+    """A packed batch of replayed episodes: the stored loss mask and rollout log-probs per token, the
+    stored advantages used as they are (broadcast over the loss tokens, and in ``extras`` as
+    ``stored_advantage``), ``extras`` ``behaviour_nll``/``origin_negative``; one group per stored
+    (step, group_id)."""
+    keys = [(r["step"], r["group_id"]) for r in rows]
+    dense = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     b = from_sequences(
-        [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], [r["group_id"] for r in rows]
+        [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], [dense[k] for k in keys]
     )
+    b.rollout_logprobs = torch.zeros(b.num_tokens, dtype=torch.float32)
     for i, r in enumerate(rows):
-        s = int(b.cu_seqlens[i]) + len(r["prompt_ids"])
-        b.loss_mask[s : s + len(r["response_ids"])] = torch.tensor(r["loss_mask"], dtype=b.loss_mask.dtype)
+        s, n = int(b.cu_seqlens[i]) + len(r["prompt_ids"]), len(r["response_ids"])
+        b.loss_mask[s : s + n] = torch.tensor(r["loss_mask"], dtype=b.loss_mask.dtype)
+        b.rollout_logprobs[s : s + n] = torch.tensor(r["rollout_logprobs"], dtype=torch.float32)
     adv = torch.tensor([r["advantage"] for r in rows], dtype=torch.float64)
     b.advantages = (adv[b.seq_index()] * b.loss_mask.double()).float()
     b.extras = {
+        STORED_ADVANTAGE: adv,
         BEHAVIOUR_NLL: torch.tensor([r["behaviour_nll"] for r in rows], dtype=torch.float64),
         ORIGIN_NEGATIVE: torch.tensor([float(r["origin"] == "negative") for r in rows], dtype=torch.float64),
     }
     return b
+
+
+def stored(batch: PackedBatch) -> torch.Tensor:
+    """The advantage estimator ``stored``: the replayed sequence advantages as they are, [T]."""
+    if STORED_ADVANTAGE not in batch.extras:
+        raise ValueError(
+            "advantage.estimator=stored needs replayed episodes (extras.stored_advantage; method.replay_in)"
+        )
+    return per_token(batch, batch.extras[STORED_ADVANTAGE])
+
+
+class ReplaySource:
+    """The run's batches from replay files (a method's ``batch_source``): ``size`` episodes per RL
+    step from the reader's cursor, starting over at the first file after the last (``epoch`` counts
+    the passes). Every rank reads the same files, so every rank gets the same batch."""
+
+    def __init__(self, reader: ReplayReader, size: int):
+        if not reader.files():
+            raise ValueError(f"method.replay_in: no replay files (*.parquet) in {reader.folder}")
+        self.reader, self.size, self.epoch = reader, size, 0
+
+    def next_batch(self, step: int) -> PackedBatch:
+        """The step's batch of replayed episodes."""
+        rows = self.reader.next_rows(self.size)
+        while len(rows) < self.size:
+            self.reader.file_index, self.reader.row, self.epoch = 0, 0, self.epoch + 1
+            rows += self.reader.next_rows(self.size - len(rows))
+        return episodes_batch(rows)
+
+    def state_dict(self) -> dict:
+        """The reader's cursor and the pass count."""
+        return {**self.reader.state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``."""
+        self.reader.load_state_dict(state)
+        self.epoch = int(state["epoch"])
+
+
+ADVANTAGE_ESTIMATORS.add("stored", stored)
 
 
 class ReplayWriter:
