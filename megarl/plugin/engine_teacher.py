@@ -28,6 +28,9 @@ def teacher_engines(t: Any) -> list:
     if t.engine == "embedded":
         from megarl.rollout.embedded import EmbeddedEngine
 
+        if not t.hf_dir:
+            raise ValueError("teacher.engine=embedded needs teacher.hf_dir (the teacher's HF checkpoint)")
+
         return [EmbeddedEngine.from_pretrained(t.hf_dir, name="teacher-embedded")]
     from megarl.rollout.keys import RolloutKeys
 

@@ -129,7 +129,8 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
 
 
 def _check_teacher(cfg: TrainConfig) -> None:
-    """An engine-served teacher names its servers (``teacher.urls``) or, embedded, its checkpoint,
+    """An engine-served teacher names its servers (``teacher.urls``; the embedded engine's
+    checkpoint, ``teacher.hf_dir``, is checked when the run builds it, as the Megatron teacher's is)
     and cannot feed the full-vocabulary distillation modes (they need the teacher's logits)."""
     from megarl.objectives.distillation import DISTILLATION
 
@@ -141,8 +142,6 @@ def _check_teacher(cfg: TrainConfig) -> None:
             f"objective.distill={d!r} needs the teacher's full-vocabulary logits, which only "
             "teacher.source=megatron gives (an engine gives logprobs and top-K)"
         )
-    if t.engine == "embedded" and not t.hf_dir:
-        raise ConfigError("teacher.engine=embedded needs teacher.hf_dir (the teacher's HF checkpoint)")
     if t.engine != "embedded" and not t.urls:
         raise ConfigError(f"teacher.source=engine with teacher.engine={t.engine} needs teacher.urls")
 

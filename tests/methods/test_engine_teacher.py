@@ -106,7 +106,10 @@ def test_engine_teacher_config_is_checked():
     }
     with pytest.raises(ConfigError, match="teacher.engine=vllm needs teacher.urls"):
         from_dict({**base, "teacher": {"source": "engine"}})
-    with pytest.raises(ConfigError, match="teacher.engine=embedded needs teacher.hf_dir"):
-        from_dict({**base, "teacher": {"source": "engine", "engine": "embedded"}})
+    from megarl.plugin.engine_teacher import teacher_engines
+
+    embedded = from_dict({**base, "teacher": {"source": "engine", "engine": "embedded"}})  # loads as written
+    with pytest.raises(ValueError, match="teacher.engine=embedded needs teacher.hf_dir"):
+        teacher_engines(embedded.teacher)  # and is refused when the run builds its teacher
     with pytest.raises(ConfigError, match="teacher.source"):
         from_dict({**base, "teacher": {"source": "hub"}})

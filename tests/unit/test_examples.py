@@ -24,7 +24,7 @@ def test_there_are_core_examples():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_builds_and_matches_reference(path):
     cfg = yaml.safe_load(path.read_text())
-    assert set(cfg) <= {"base", "logging", "advantage", "objective"}, (
+    assert set(cfg) <= {"base", "logging", "advantage", "objective", "teacher"}, (
         f"{path.name}: unexpected sections {sorted(cfg)}"
     )
     adv = dict(cfg["advantage"])
