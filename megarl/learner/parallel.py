@@ -114,18 +114,26 @@ def init_distributed(timeout_s: float = 120.0) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if use_cuda() else "gloo"
-    if "RANK" not in os.environ:  # a single process outside torchrun
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        return
+    # A single process outside torchrun: its own store on a free port, passed explicitly rather than
+    # through RANK/MASTER_PORT in os.environ, which every child process (a rollout server, a
+    # checkpoint helper, a nested megarl run) would inherit and then fail to rendezvous on.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 # megatron keeps its groups in parallel_state's module globals, and a process group cannot be freed
