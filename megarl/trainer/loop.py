@@ -266,11 +266,13 @@ class Trainer:
         log(f"checkpoint {path} ({time.time() - t0:.1f}s)")
 
     def finish(self) -> None:
-        """Stop the rollout source, close the rewards, metrics and engine; print the summary."""
+        """Stop the rollout source, close the method's parts, the rewards, metrics and engine; print
+        the summary."""
         from megarl.trainer.step_metrics import print_summary
 
         run = self.r
         self.source.close()
+        run.method.close()
         if run.rank0:
             run.rewards.close()
             print_summary(run)

@@ -151,6 +151,22 @@ class MethodRuntime:
             self.step_hooks += parts.step_hooks
             self.batch_source = parts.batch_source
 
+    def close(self) -> None:
+        """Close every part that holds resources of its own (an engine teacher's clients and event
+        loop, a replay writer): each built part with a ``close()``, once, in build order."""
+        seen: set[int] = set()
+        for part in [
+            *self.learner_passes,
+            *self.batch_fillers,
+            *self.round_processors,
+            *self.step_hooks,
+            self.allocator,
+            self.batch_source,
+        ]:
+            if part is not None and id(part) not in seen and callable(getattr(part, "close", None)):
+                seen.add(id(part))
+                part.close()
+
     # ------------------------------------------------------------------ using
     def fill_learner_inputs(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
         """Run every learner pass (collective)."""
