@@ -21,12 +21,18 @@ def none(logits, logp, old_logp, batch, ctx):
     return torch.zeros_like(logp)
 
 
+def sampled_reverse_kl_term(logp, old_logp, teacher_logp):
+    """-sg(teacher_logp - old_logp) · exp(logp - sg(old_logp)) per token [T], for any teacher's
+    sampled-token logprobs (an external teacher, a self-teacher)."""
+    return -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach())
+
+
 @DISTILLATION.register("sampled_reverse_kl", batch_inputs=("teacher_logprobs",))
 def sampled_reverse_kl(logits, logp, old_logp, batch, ctx):
     """-sg(teacher_logp - old_logp) · exp(logp - sg(old_logp)); needs batch.teacher_logprobs."""
     if batch.teacher_logprobs is None:
         raise ValueError("distill=sampled_reverse_kl needs the batch field 'teacher_logprobs'")
-    return -(batch.teacher_logprobs - old_logp).detach() * torch.exp(logp - old_logp.detach())
+    return sampled_reverse_kl_term(logp, old_logp, batch.teacher_logprobs)
 
 
 def _teacher(ctx):

@@ -17,22 +17,24 @@ from dataclasses import dataclass
 import torch
 
 from megarl.methods.distillation.routes import (
+    AGGREGATIONS,
     ROUTE_RULES,
     RouteDecision,
     group_routes,
     prepare_routes,
+    route_aggregation_check,
     route_scale,
 )
 from megarl.methods.distillation.self_teacher import CORRECT, LOGITS, LOGPROBS, ON
+from megarl.objectives.distillation import sampled_reverse_kl_term
 from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops.vocab_parallel import vocab_parallel_kl
 from megarl.plugin.knobs import Knobs
-from megarl.plugin.spec import MethodParts, MethodSpec
+from megarl.plugin.spec import MethodSpec
 from megarl.registry import PartInfo
 
 NAMES = ("grpo", "distil")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def correctness(batch) -> torch.Tensor:
@@ -80,7 +82,7 @@ def isdpo_loss(
     distil = batch.extras["routes"].to(logp.dtype).repeat_interleave(batch.seq_lens)
     on = batch.extras[ON].to(logp.dtype).repeat_interleave(batch.seq_lens)
     pg = ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low, clip_high, dual_clip)
-    sd = -(teacher.to(logp.dtype) - old_logp).detach() * torch.exp(logp - old_logp.detach()) * on
+    sd = sampled_reverse_kl_term(logp, old_logp, teacher.to(logp.dtype)) * on
     scale = route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype)
     return scale * ((1 - distil) * pg + sd_coef * distil * sd)
 
@@ -121,23 +123,6 @@ REGULARISERS.add(
 @dataclass
 class ISDPOKnobs(Knobs):
     """No knobs of its own: λ_SD is ``objective.policy_loss_args.sd_coef``."""
-
-
-def route_aggregation_check(default: str):
-    """A method ``build`` that refuses ``objective.policy_loss_args.aggregation`` (``default`` when
-    unset) differing from ``objective.aggregation``: each route is normalised the objective's way."""
-
-    def build(ctx, knobs) -> MethodParts:
-        o = ctx.cfg.objective
-        mine = dict(o.policy_loss_args).get("aggregation", default)
-        if mine != o.aggregation:
-            raise ValueError(
-                f"objective.policy_loss_args.aggregation={mine!r} must equal objective.aggregation="
-                f"{o.aggregation!r} (each route is normalised the objective's way)"
-            )
-        return MethodParts()
-
-    return build
 
 
 build = route_aggregation_check("token-mean")

@@ -34,6 +34,7 @@ from megarl.ops import comm
 from megarl.ops.segments import _dense_groups, segment_sum
 from megarl.plugin.inputs import InputProvider, RolloutInfo, register_provider
 from megarl.plugin.knobs import Knobs, check_call_knobs
+from megarl.plugin.spec import MethodParts
 from megarl.registry import Registry
 
 ROUTE = "routes"  # extras: [B] route index of each sequence (the same within a group)
@@ -206,3 +207,24 @@ ROUTES = register_provider(
         summary="one route per prompt group from a registered rule (inputs.routes.rule); counts as metrics",
     )
 )
+
+
+# the aggregation modes a per-route normaliser supports
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def route_aggregation_check(default: str):
+    """A method ``build`` that refuses ``objective.policy_loss_args.aggregation`` (``default`` when
+    unset) differing from ``objective.aggregation``: each route is normalised the objective's way."""
+
+    def build(ctx, knobs) -> MethodParts:
+        o = ctx.cfg.objective
+        mine = dict(o.policy_loss_args).get("aggregation", default)
+        if mine != o.aggregation:
+            raise ValueError(
+                f"objective.policy_loss_args.aggregation={mine!r} must equal objective.aggregation="
+                f"{o.aggregation!r} (each route is normalised the objective's way)"
+            )
+        return MethodParts()
+
+    return build

@@ -31,6 +31,7 @@ import torch
 
 from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, per_token, scalar_rewards
 from megarl.methods.distillation.opd_signal import behaviour_logprobs
+from megarl.objectives.distillation import sampled_reverse_kl_term
 from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
 from megarl.ops.quantile import top_fraction_threshold
 from megarl.ops.segments import _dense_groups, broadcast_to_tokens, segment_sum
@@ -150,7 +151,7 @@ def rstg_loss(
     sft = broadcast_to_tokens(batch.extras[SFT].to(logp.dtype), cu_seqlens)
     student = broadcast_to_tokens((~teacher_solutions(batch)).to(logp.dtype), cu_seqlens)
     pg = ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low, clip_high, dual_clip) * student
-    opd = -(batch.teacher_logprobs.to(logp.dtype) - old_logp).detach() * torch.exp(logp - old_logp.detach())
+    opd = sampled_reverse_kl_term(logp, old_logp, batch.teacher_logprobs.to(logp.dtype))
     return pg + alpha * w * opd - gamma * sft * logp
 
 

@@ -26,23 +26,25 @@ import torch
 
 from megarl.methods.distillation.opd_signal import behaviour_logprobs
 from megarl.methods.distillation.routes import (
+    AGGREGATIONS,
     ROUTE,
     ROUTE_RULES,
     RouteDecision,
     group_routes,
     prepare_routes,
+    route_aggregation_check,
     route_counts,
 )
 from megarl.methods.distillation.self_teacher import CORRECT, LOGPROBS, ON
+from megarl.objectives.distillation import sampled_reverse_kl_term
 from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
 from megarl.ops.segments import segment_sum
 from megarl.plugin.knobs import Knobs
-from megarl.plugin.spec import MethodParts, MethodSpec
+from megarl.plugin.spec import MethodSpec
 from megarl.registry import PartInfo
 
 NAMES = ("grpo", "opsd", "regularise", "skip")
 GRPO, OPSD, REG, SKIP = range(4)
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def confidence(batch) -> torch.Tensor:
@@ -122,7 +124,7 @@ def self_routing_loss(
     route = batch.extras[ROUTE].long().repeat_interleave(batch.seq_lens)
     on = batch.extras[ON].to(logp.dtype).repeat_interleave(batch.seq_lens)
     pg = ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low, clip_high, dual_clip)
-    sd = -(teacher.to(logp.dtype) - old_logp).detach() * torch.exp(logp - old_logp.detach()) * on
+    sd = sampled_reverse_kl_term(logp, old_logp, teacher.to(logp.dtype)) * on
     per_route = torch.stack([pg, sd_coef * sd, -reg_coef * logp, torch.zeros_like(logp)], 0)
     term = per_route.gather(0, route[None]).squeeze(0)
     return non_skip_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * term
@@ -141,16 +143,7 @@ class SelfRoutingKnobs(Knobs):
     ``objective.policy_loss_args.sd_coef``, ``reg_coef``."""
 
 
-def build(ctx, knobs) -> MethodParts:
-    """Check that the loss's normaliser follows the objective's aggregation."""
-    o = ctx.cfg.objective
-    mine = dict(o.policy_loss_args).get("aggregation", "token-mean")
-    if mine != o.aggregation:
-        raise ValueError(
-            f"objective.policy_loss_args.aggregation={mine!r} must equal objective.aggregation="
-            f"{o.aggregation!r} (the non-skipped routes are normalised the objective's way)"
-        )
-    return MethodParts()
+build = route_aggregation_check("token-mean")
 
 
 SPEC = MethodSpec(

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from megarl.methods.distillation.isdpo import AGGREGATIONS, route_aggregation_check
 from megarl.methods.distillation.routes import (
+    AGGREGATIONS,
     ROUTE_RULES,
     RouteDecision,
     group_routes,
     prepare_routes,
+    route_aggregation_check,
     route_scale,
 )
 from megarl.methods.distillation.self_teacher import CONTEXT, CORRECT, LOGPROBS, context_rows
+from megarl.objectives.distillation import sampled_reverse_kl_term
 from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.ops.segments import group_mean
 from megarl.plugin.spec import MethodSpec
@@ -81,7 +83,7 @@ def uopsd_loss(
     share = batch.extras[SHARE]
     w = 4 * share * (1 - share) if frontier else torch.ones_like(share)
     w_tok = w.to(logp.dtype).repeat_interleave(batch.seq_lens)
-    sd = -(teacher.to(logp.dtype) - old_logp).detach() * torch.exp(logp - old_logp.detach())
+    sd = sampled_reverse_kl_term(logp, old_logp, teacher.to(logp.dtype))
     return route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * w_tok * sd
 
 
