@@ -112,7 +112,7 @@ MEANINGS: dict[str, str] = {
     "faults.detectors.spike_beta": "EMA factor of the spike baseline",
     "faults.detectors.spike_warmup": "steps before spikes are reported",
     "faults.detectors.spike_min_rel_std": "floor of the baseline std, relative to |mean|",
-    "faults.detectors.spike_min_abs_std": "absolute floor of the baseline std (float noise of a ~0 loss is no spike)",
+    "faults.detectors.spike_min_abs_std": "absolute floor of the baseline std (float rounding of a ~0 loss is no spike)",
     "faults.detectors.logprob_gap_max": "train/rollout logprob gap above which an event is raised (0 = off)",
     "faults.detectors.entropy_min": "entropy below which a collapse is reported (0 = off)",
     "faults.detectors.entropy_drop_frac": "entropy falling below this fraction of its baseline is a collapse",
@@ -132,7 +132,7 @@ MEANINGS: dict[str, str] = {
     "faults.inject[].fraction": "fraction of elements (nan/inf) or response tokens (poison tokens) hit",
     "faults.inject[].loss_scale": "emulated static loss scale of an fp16 module",
     "faults.inject[].scale": "logits multiplier (logits) or advantage multiplier (poison advantages)",
-    "faults.inject[].noise": "std of the noise added to the logits (logits)",
+    "faults.inject[].noise": "std of the Gaussian added to the logits (kind logits)",
     "faults.inject[].field": "what a poison corrupts: advantages or tokens",
     "faults.inject[].seed": "seed of the element / token choice",
 }

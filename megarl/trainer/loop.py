@@ -165,7 +165,7 @@ class Trainer:
         run, cfg = self.r, self.cfg
         t_step = time.time()
         rec: dict = {"step": step}
-        if run.method.batch_source is not None:  # offline / replayed batches: no rollouts to train on
+        if run.method.batch_source is not None:  # the method supplies the batches: no rollouts
             ro, rstats = None, {"gen_time": 0.0, "reward_time": 0.0}
             batch = run.method.batch_source.next_batch(step)
             info = RolloutInfo([""] * batch.num_seqs, {})

@@ -124,7 +124,7 @@ class MethodRuntime:
                 continue
             built = provider.build(ctx.with_knobs(provider_knobs(ctx.cfg, provider)), frozenset(names))
             (rt.learner_passes if provider.stage == "learner" else rt.batch_fillers).append(built)
-            if isinstance(built, StepHook):  # a provider that owns a trained model (e.g. a critic)
+            if isinstance(built, StepHook):  # a provider that also trains a model of its own
                 rt.step_hooks.append(built)
             for n in getattr(built, "needs_inputs", ()):  # round inputs it reads (built in phase 2)
                 rt.inputs.setdefault(n, f"inputs.{provider.provides[0]}")
@@ -152,8 +152,8 @@ class MethodRuntime:
             self.batch_source = parts.batch_source
 
     def close(self) -> None:
-        """Close every part that holds resources of its own (an engine teacher's clients and event
-        loop, a replay writer): each built part with a ``close()``, once, in build order."""
+        """Close every part that holds resources of its own (clients, event loops, open
+        files): each built part with a ``close()``, once, in build order."""
         seen: set[int] = set()
         for part in [
             *self.learner_passes,

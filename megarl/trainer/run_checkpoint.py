@@ -87,7 +87,7 @@ def save(
     with torch.save next to the trainer state (identical on every rank: rank 0 writes it).
     ``method_state``: the rest of the method state (estimator state, round processors, step
     hooks), rank 0's view. ``sharded_parts``: (folder, part) pairs whose ``save_sharded`` writes a
-    model of their own (a critic) into that folder of the checkpoint, collectively."""
+    model of their own into that folder of the checkpoint, collectively."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from megarl.learner.dist_checkpoint import save_checkpoint
