@@ -21,10 +21,13 @@ class RunContext:
     ``sampling(step, round, index)`` -> the run's seeded ``SamplingParams``; groups: the run's
     process groups (a part that builds its own model under the run's layout); dp_share:
     ``dp_share(batch)`` -> this data-parallel replica's share of whole groups; dp_group: the
-    data-parallel group (None with one replica); push_weights: ``push_weights(label)`` pushes the
-    learner's current weights to rank 0's engine under version ``label`` (collective: every rank
-    calls it; the synchronous loop only); run_coroutine: ``run_coroutine(coro)`` runs a coroutine
-    (e.g. engine calls) to completion on the loop rank 0's engine is driven by.
+    data-parallel group (None with one replica); push_weights: ``push_weights(label, learner=None)``
+    pushes the policy learner's (or ``learner``'s: a second trainable model of the same
+    architecture that a part builds with ``make_learner``) current weights to rank 0's engine under
+    version ``label`` (collective: every rank calls it; the synchronous loop only); run_coroutine:
+    ``run_coroutine(coro)`` runs a coroutine (e.g. engine calls) to completion on the loop rank 0's
+    engine is driven by; dataset: the run's training prompts (a ``PromptDataset``: ``rows`` of
+    prompt text and answer), for parts that sample prompts themselves.
     """
 
     cfg: Any
@@ -43,6 +46,7 @@ class RunContext:
     dp_group: Any = None
     push_weights: Callable[[str], None] | None = None
     run_coroutine: Callable[[Any], Any] | None = None
+    dataset: Any = None
 
     def with_knobs(self, knobs: Any) -> RunContext:
         """A copy of this context carrying ``knobs`` (a part's knobs dataclass, or None)."""

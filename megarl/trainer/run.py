@@ -221,17 +221,19 @@ class Run:
             dp_group=self.dp_group() if hasattr(self, "groups") else None,
             push_weights=self.push_weights,
             run_coroutine=self.run_coroutine,
+            dataset=getattr(self, "train_ds", None),
         )
 
     def run_coroutine(self, coro: Any) -> Any:
         """``coro`` run to completion on the engine's event loop."""
         return self.loop.run_until_complete(coro)
 
-    def push_weights(self, label: str) -> None:
-        """The learner's current weights -> rank 0's engine as version ``label`` (collective)."""
+    def push_weights(self, label: str, learner: Any = None) -> None:
+        """The learner's (or ``learner``'s) current weights -> rank 0's engine as version ``label``
+        (collective)."""
         from megarl.trainer.weights import push_weights
 
-        push_weights(self, label)
+        push_weights(self, label, learner)
 
     def make_learner(self, hf_config: dict, trainable: bool = True, lr: float | None = None):
         """A learner under the run's layout with the run's optimizer and precision settings."""

@@ -5,7 +5,7 @@ exported HF checkpoint directory ``weights_dir/vNNNNNN``. The asynchronous loop 
 with its producer's pause/abort and resume (megarl/trainer/rollout_producer.py). A step hook that
 is a ``RolloutWeights`` (parameter-space exploration) changes the learner's weights around each
 sync and restores them after it; ``push_weights`` is what method parts call to push weights of
-their own (an evolution-strategies population) under a label.
+their own (an evolution-strategies population, a second trainable model) under a label.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from megarl.learner.factory import export_state
 from megarl.plugin.spec import RolloutWeights
 
 
-def export_dir(run: Any, version: int | str) -> Path:
-    """Export the learner as a HF checkpoint for ``version`` (an int: ``vNNNNNN``; a str: that
-    name) (collective); returns its directory."""
+def export_dir(run: Any, version: int | str, learner: Any = None) -> Path:
+    """Export the learner (``learner``: another learner of the run's architecture) as a HF
+    checkpoint for ``version`` (an int: ``vNNNNNN``; a str: that name) (collective); returns its
+    directory."""
     from megarl.convert.hf_megatron import save_hf_checkpoint
 
     r = run.cfg.rollout
@@ -32,18 +33,20 @@ def export_dir(run: Any, version: int | str) -> Path:
     if dist.get_rank() == 0 and wdir.exists():
         shutil.rmtree(wdir)
     dist.barrier()
-    save_hf_checkpoint(run.learner.model, run.groups, wdir, hf_config=run.hf)
+    save_hf_checkpoint((learner or run.learner).model, run.groups, wdir, hf_config=run.hf)
     return wdir
 
 
-def push_weights(run: Any, version: int | str) -> None:
-    """The learner's current weights -> ``run.engine`` as ``version`` (collective)."""
+def push_weights(run: Any, version: int | str, learner: Any = None) -> None:
+    """The learner's current weights -> ``run.engine`` as ``version`` (collective). ``learner``: a
+    second trainable model of the run's architecture that a method builds, served by the same
+    engine in turns (None: the policy)."""
     if run.cfg.rollout.engine == "embedded":
-        state = export_state(run.learner)
+        state = export_state(learner or run.learner)
         if run.engine is not None:
             run.loop.run_until_complete(run.engine.update_weights_from_tensors(state, str(version)))
         return
-    wdir = export_dir(run, version)
+    wdir = export_dir(run, version, learner)
     if run.engine is not None:
         run.loop.run_until_complete(run.engine.update_weights(str(wdir), str(version)))
 
