@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from reference.advantages import grpo
+
 # ---------------------------------------------------------------------------------------- REGEN
 
 
@@ -61,3 +63,189 @@ def regen_loss(
     counted = m.sum(-1) > 0  # a sequence without response tokens is not a sample
     per_seq = -adv.to(logp.dtype) * w * seq_logp
     return per_seq[counted].sum() / max(int(counted.sum()), 1)
+
+
+# ------------------------------------------------------------------ turn credit: TASPO, AgentOPSD, TRIAL
+# Inputs are padded [B, L]; ``turns`` is, per sequence, the list of its assistant turns as
+# (start, end) positions. A turn's eligible tokens are its loss-mask tokens; n_k counts them and a
+# turn with n_k = 0 has no weight. Token advantages are A on every other loss token.
+
+
+def _eligible(turns, mask: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per sequence, per turn: the positions of its eligible tokens."""
+    out = []
+    for i, spans in enumerate(turns):
+        out.append([torch.arange(s, e)[mask[i, s:e] > 0] for s, e in spans])
+    return out
+
+
+def mean_one_weights(w_hat: list[float], n: list[float], lo: float, hi: float) -> list[float]:
+    """w_k = clip(c ŵ_k, lo, hi) with c found by bisection so that Σ n_k w_k = Σ n_k (the fixed
+    point of "normalise the token-weighted mean to 1, re-clip to [lo, hi]"; lo <= 1 <= hi)."""
+    N = sum(n)
+
+    def f(c):
+        return sum(nk * min(max(c * wk, lo), hi) for wk, nk in zip(w_hat, n))
+
+    a, b = 0.0, hi / min(w_hat)  # f(0) <= N (lo <= 1); f(b) = N hi >= N
+    for _ in range(200):
+        mid = (a + b) / 2
+        if f(mid) < N:
+            a = mid
+        else:
+            b = mid
+    c = (a + b) / 2
+    return [min(max(c * wk, lo), hi) for wk in w_hat]
+
+
+def _turn_weighted(adv_seq, weights, elig, mask):
+    """Token advantages [B, L]: w_k A on turn k's eligible tokens, A on other loss tokens."""
+    B = mask.shape[0]
+    out = adv_seq[:, None].double() * mask.double()
+    for i in range(B):
+        for k, pos in enumerate(elig[i]):
+            if pos.numel():
+                out[i, pos] = weights[i][k] * float(adv_seq[i])
+    return out
+
+
+def taspo_weights(shift, turns, mask, sign_a, lam=0.5, w_lo=0.25, w_hi=2.0, delta=1e-6):
+    """TASPO's action weights, per sequence a list (one per turn, 1 for empty turns).
+
+    shift = ℓ^PI − ℓ^S per token. Δ_k = mean_{t∈a_k} shift_t; z_k = (Δ_k − mean Δ)/(std Δ + δ)
+    (population std over the turns with tokens; z = 0 when every Δ_k is equal); ŵ_k = 1 + λ
+    tanh(sign(A) z_k); w = mean_one_weights(ŵ, |a_k|, w_lo, w_hi).
+    """
+    elig = _eligible(turns, mask)
+    out = []
+    for i, pos_list in enumerate(elig):
+        ks = [k for k, p in enumerate(pos_list) if p.numel()]
+        w = [1.0] * len(pos_list)
+        if ks:
+            d = torch.tensor([float(shift[i, pos_list[k]].double().mean()) for k in ks], dtype=torch.float64)
+            if bool(d.max() == d.min()):
+                z = torch.zeros_like(d)
+            else:
+                z = (d - d.mean()) / (d.std(unbiased=False) + delta)
+            w_hat = (1 + lam * torch.tanh(float(sign_a[i]) * z)).tolist()
+            got = mean_one_weights(w_hat, [float(pos_list[k].numel()) for k in ks], w_lo, w_hi)
+            for k, v in zip(ks, got):
+                w[k] = v
+        out.append(w)
+    return out, elig
+
+
+def taspo_advantages(
+    rewards,
+    group_ids,
+    pi_logp,
+    s_logp,
+    mask,
+    turns,
+    lam=0.5,
+    w_lo=0.25,
+    w_hi=2.0,
+    delta=1e-6,
+    scale_by_std=True,
+    eps=1e-6,
+):
+    """TASPO (outcome-grounded action credit from privileged supervision): token advantages [B, L].
+
+    A = GRPO(R); the PI shift ℓ^PI − ℓ^S (the same weights with and without verified-success PI in
+    context) only redistributes A over the trajectory's actions: A_t = w_{k(t)} A with positive,
+    bounded ([w_lo, w_hi]), token-weighted-mean-1 weights (taspo_weights). Provenance: reconstructed
+    from the abstract; λ = 0.5, bounds [0.25, 2].
+    """
+    adv = grpo(rewards.double(), group_ids, scale_by_std, eps)
+    w, elig = taspo_weights(pi_logp - s_logp, turns, mask, torch.sign(adv), lam, w_lo, w_hi, delta)
+    return _turn_weighted(adv, w, elig, mask)
+
+
+def agent_opsd_beliefs(evidence: list[float], prior: float, rho=1.0, beta=1.0, prior_eps=0.05):
+    """Recursive log-odds beliefs b_0..b_K: L_0 = logit(clip(p̂, ε, 1−ε)), L_k = ρ L_{k−1} + β e_k,
+    b_k = σ(L_k)."""
+    p = min(max(prior, prior_eps), 1 - prior_eps)
+    L = math.log(p / (1 - p))
+    b = [1 / (1 + math.exp(-L))]
+    for e in evidence:
+        L = rho * L + beta * e
+        b.append(1 / (1 + math.exp(-L)))
+    return b
+
+
+def agent_opsd_advantages(
+    rewards,
+    group_ids,
+    correct,
+    t_logp,
+    s_logp,
+    mask,
+    turns,
+    lam=0.5,
+    rho=1.0,
+    beta=1.0,
+    prior_eps=0.05,
+    delta=1e-6,
+    w_lo=0.25,
+    w_hi=2.0,
+    scale_by_std=True,
+    eps=1e-6,
+):
+    """AgentOPSD (recursive Bayesian turn-level credit from self-distillation gaps): [B, L].
+
+    Evidence e_k = Σ_{t∈T_k} (ℓ^T_t − ℓ^S_t) (teacher: the same weights with privileged context);
+    prior p̂ = the group's success rate; beliefs b_k (agent_opsd_beliefs) over the turns with tokens;
+    revision Δ_k = b_k − b_{k−1}; ŵ_k = 1 + λ sign(A) Δ_k / (max_k |Δ_k| + δ), then the same
+    mean-one, [w_lo, w_hi]-bounded normalisation as TASPO; A_t = w_{k(t)} A. Provenance:
+    reconstructed from the abstract (anchored on PBSD); λ = 0.5, ρ = β = 1, ε = 0.05.
+    """
+    adv = grpo(rewards.double(), group_ids, scale_by_std, eps)
+    elig = _eligible(turns, mask)
+    shift = (t_logp - s_logp).double()
+    w = []
+    for i, pos_list in enumerate(elig):
+        sel = group_ids == group_ids[i]
+        prior = float(correct[sel].double().mean())
+        ks = [k for k, p in enumerate(pos_list) if p.numel()]
+        wi = [1.0] * len(pos_list)
+        if ks:
+            e = [float(shift[i, pos_list[k]].sum()) for k in ks]
+            b = agent_opsd_beliefs(e, prior, rho, beta, prior_eps)
+            rev = [b[j + 1] - b[j] for j in range(len(ks))]
+            top = max(abs(x) for x in rev)
+            s = float(torch.sign(adv[i]))
+            w_hat = [1 + lam * s * x / (top + delta) for x in rev]
+            got = mean_one_weights(w_hat, [float(pos_list[k].numel()) for k in ks], w_lo, w_hi)
+            for k, v in zip(ks, got):
+                wi[k] = v
+        w.append(wi)
+    return _turn_weighted(adv, w, elig, mask)
+
+
+def trial_multipliers(gap, turns, mask):
+    """TRIAL's turn multipliers: M_k = mean_{t∈T_k} |δ_t|, m_k = M_k / (Σ_j n_j M_j / Σ_j n_j)
+    (m ≡ 1 when every M_k is 0). Per sequence a list (1 for empty turns)."""
+    elig = _eligible(turns, mask)
+    out = []
+    for i, pos_list in enumerate(elig):
+        ks = [k for k, p in enumerate(pos_list) if p.numel()]
+        M = {k: float(gap[i, pos_list[k]].double().abs().mean()) for k in ks}
+        n = {k: float(pos_list[k].numel()) for k in ks}
+        norm = sum(n[k] * M[k] for k in ks) / max(sum(n.values()), 1.0)
+        out.append([M[k] / norm if k in M and norm > 0 else 1.0 for k in range(len(pos_list))])
+    return out, elig
+
+
+def trial_hd_per_token(logp, hind_logp, ord_logp, mask, turns):
+    """TRIAL's hindsight-distillation term per token [B, L]: −m_{k(t)} · sg(δ_t) · log π_θ(y_t) on
+    eligible tokens, 0 elsewhere; δ_t = ℓ^hind_t − ℓ^ord_t (the same weights with the trajectory's
+    realised outcome in context, and without). Aggregated like the policy loss and added with
+    weight λ: L = L_GRPO + λ L_HD. Provenance: reconstructed from the abstract.
+    """
+    gap = (hind_logp - ord_logp).detach().to(logp.dtype)
+    m, elig = trial_multipliers(gap, turns, mask)
+    coef = torch.zeros_like(logp)
+    for i, pos_list in enumerate(elig):
+        for k, pos in enumerate(pos_list):
+            coef[i, pos] = m[i][k] * gap[i, pos]
+    return -coef * logp
