@@ -1,9 +1,11 @@
 """Packed-sequence forward of a megatron-core GPTModel, and the shift to the batch's alignment.
 
-CPU path (local spec): the T packed tokens run as one ``[1, T]`` row with a block-diagonal causal
-attention mask and per-sequence RoPE positions, which gives the same numbers as running each
-sequence on its own (tests/learner: packed vs one-at-a-time). The local attention has no THD
-kernel, so attention costs O(T^2) here instead of O(sum L_i^2); fine for CPU-sized batches.
+CPU path (local spec): the T packed tokens run as one ``[1, T]`` row with per-sequence RoPE
+positions; attention is per sequence (``megarl/learner/varlen_attention.py``: the boundaries travel
+as a 1-D ``cu_seqlens`` in the attention-mask argument, O(sum L_i^2)), which gives the same numbers
+as running each sequence on its own (tests/learner: packed vs one-at-a-time). ``attention="dense"``
+builds the block-diagonal causal ``[T, T]`` mask instead (O(T^2); the path of a megatron-core the
+varlen attention does not support, of the local spec on CUDA, and the tests' reference).
 GPU path (TE spec): megatron's THD packed-sequence path (``PackedSeqParams`` from cu_seqlens).
 
 Alignment: the model's logits at position t predict token t+1. megarl's convention
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.learner.model import uses_te_spec
+from megarl.learner.model import cpu_varlen, uses_te_spec
 
 
 @dataclass
@@ -26,20 +28,29 @@ class PackedInputs:
 
     input_ids: torch.Tensor  # [1, T_pad]
     position_ids: torch.Tensor  # [1, T_pad] position inside each sequence
-    attention_mask: torch.Tensor | None  # [1, 1, T_pad, T_pad] bool, True = masked (CPU path)
+    # CPU path: cu_seqlens [B'+1] int64 (varlen) or [1, 1, T_pad, T_pad] bool, True = masked (dense)
+    attention_mask: torch.Tensor | None
     packed_seq_params: object | None  # megatron PackedSeqParams (GPU/TE path)
     padding_mask: torch.Tensor | None  # [1, T_pad] bool, True = padding (excluded from MoE routing)
     num_tokens: int  # T (real tokens)
 
 
 def packed_inputs(
-    tokens: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device, pad_multiple: int = 1
+    tokens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    device: torch.device,
+    pad_multiple: int = 1,
+    attention: str = "auto",
 ) -> PackedInputs:
     """Build model inputs for packed ``tokens: [T]`` with boundaries ``cu_seqlens: [B+1]``.
 
     Padding (for sequence parallelism, T_pad % tp == 0) is its own trailing sequence of token 0,
     excluded from MoE routing statistics by ``padding_mask``; its logits are dropped.
+    ``attention`` (local spec): 'auto' (varlen where ``cpu_varlen()``, else dense), 'varlen' or
+    'dense'; the TE spec always uses THD packing.
     """
+    if attention not in ("auto", "varlen", "dense"):
+        raise ValueError(f"attention={attention!r}; allowed: auto, varlen, dense")
     T = int(tokens.numel())
     T_pad = -(-T // pad_multiple) * pad_multiple
     cu = cu_seqlens.to(torch.long).cpu()
@@ -60,6 +71,9 @@ def packed_inputs(
             qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=maxlen, max_seqlen_kv=maxlen
         )
         mask = None
+    elif attention == "varlen" or (attention == "auto" and cpu_varlen()):
+        mask = cu.to(device)
+        psp = None
     else:
         seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
         allowed = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])

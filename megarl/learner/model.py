@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -300,14 +300,40 @@ def layer_spec(config, spec: ModelSpec, groups: ParallelGroups):
         kw: dict[str, Any] = {"normalization": "RMSNorm"}
         if "pp_rank" in inspect.signature(gls.get_gpt_decoder_block_spec).parameters:
             kw["pp_rank"] = groups.pp_rank  # else megatron reads it from parallel_state (same value)
-        return gls.get_gpt_decoder_block_spec(config, use_transformer_engine=te, **kw)
+        block = gls.get_gpt_decoder_block_spec(config, use_transformer_engine=te, **kw)
+        if cpu_varlen():
+            block.layer_specs = [_with_varlen_attention(s) for s in block.layer_specs]
+        return block
     if te:
         return gls.get_gpt_layer_with_transformer_engine_spec(
             num_experts=None, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_layernorm
         )
-    return gls.get_gpt_layer_local_spec(
+    local = gls.get_gpt_layer_local_spec(
         num_experts=None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
     )
+    return _with_varlen_attention(local) if cpu_varlen() else local
+
+
+def _with_varlen_attention(layer):
+    """A local layer spec whose core attention is the per-sequence one (megarl.learner.varlen_attention)."""
+    from dataclasses import replace
+
+    from megarl.learner.varlen_attention import varlen_core_attention_class
+
+    attn = layer.submodules.self_attention
+    attn = replace(attn, submodules=replace(attn.submodules, core_attention=varlen_core_attention_class()))
+    return replace(layer, submodules=replace(layer.submodules, self_attention=attn))
+
+
+@cache
+def cpu_varlen() -> bool:
+    """Whether packed rows use per-sequence attention (``varlen_attention``): the CPU path (no
+    CUDA) with a megatron-core whose core attention it was written against. Else a dense mask."""
+    if use_cuda():
+        return False
+    from megarl.learner.varlen_attention import varlen_supported
+
+    return varlen_supported()
 
 
 def uses_te_spec() -> bool:

@@ -10,14 +10,18 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Imports every learner/convert module and the GPU-path entry points, with CUDA reported present,
-# then lists which megarl.learner modules got imported. Nothing is run on a device.
+# then lists which megarl.learner modules got imported and what packed attention a run would use.
+# Nothing is run on a device.
 _PROBE = r"""
 import json, sys, torch
 torch.cuda.is_available = lambda: True
 import megarl.learner, megarl.learner.parallel, megarl.learner.model, megarl.learner.forward
 import megarl.learner.learner, megarl.learner.dist_checkpoint, megarl.convert.hf_megatron, megarl.convert.plan
 from megarl.learner.parallel import use_cuda
-print(json.dumps({"use_cuda": use_cuda(),
+from megarl.learner.forward import packed_inputs
+from megarl.learner.model import cpu_varlen
+mask = packed_inputs(torch.arange(6), torch.tensor([0, 2, 6]), torch.device("cpu")).attention_mask
+print(json.dumps({"use_cuda": use_cuda(), "varlen": cpu_varlen(), "mask_dim": mask.dim(),
                   "modules": sorted(m for m in sys.modules if m.startswith("megarl.learner"))}))
 """
 
@@ -36,6 +40,10 @@ def test_gpu_path_never_imports_cpu_shims():
     assert res["use_cuda"] is True
     assert "megarl.learner.learner" in res["modules"]  # the probe did import the learner
     assert "megarl.learner.cpu_shims" not in res["modules"]
+    # the per-sequence attention of the CPU path stays out too: a GPU run without Transformer
+    # Engine builds the dense block-diagonal mask for megatron's own core attention
+    assert res["varlen"] is False and res["mask_dim"] == 4
+    assert "megarl.learner.varlen_attention" not in res["modules"]
 
 
 _APPLY = r"""
