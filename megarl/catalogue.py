@@ -59,6 +59,8 @@ METHODS: dict[str, str] = {
     "otb": "megarl.methods.peers.otb:SPEC",
     "ppo_critic": "megarl.methods.critics.ppo_critic:SPEC",
     "bpco": "megarl.methods.critics.bpco:SPEC",
+    "comppo": "megarl.methods.critics.comp_gae:SPEC",
+    "sapo": "megarl.methods.critics.sapo:SPEC",
     "amrp": "megarl.rewards.shaping.amrp:SPEC",
     "care": "megarl.rewards.shaping.care:SPEC",
     "cedar": "megarl.rewards.shaping.cedar:SPEC",

@@ -89,3 +89,153 @@ def lagae(
             ret[b, t] = next_a1 + values[b, t]
             next_v = values[b, t]
     return adv, ret
+
+
+# ---------------------------------------------------------------- CompPO / Comp-GAE / TAC
+def attention_concentration(probs: torch.Tensor, statistic: str = "entropy") -> torch.Tensor:
+    """Concentration κ of each query's attention distribution, averaged over heads.
+
+    probs: [H, Q, K] attention probabilities of one sequence (row q covers keys 0..q, zeros after).
+    entropy: κ_q = 1 − H(a_q)/log(n_q), n_q = q + 1 keys (κ = 1 for the first query, one key);
+    max:     κ_q = max_j a_{q,j}.
+    Provenance: reconstructed (CompPO names the statistic "attention concentration" only).
+    -> [Q]
+    """
+    n = torch.arange(1, probs.shape[-1] + 1, dtype=torch.float64)[: probs.shape[1]]
+    p = probs.double()
+    if statistic == "max":
+        return p.max(-1).values.mean(0)
+    ent = -(p * torch.log(p.clamp(min=1e-300))).sum(-1)  # [H, Q]
+    kappa = torch.where(n > 1, 1.0 - ent / torch.log(n.clamp(min=2.0)), torch.ones_like(ent))
+    return kappa.mean(0)
+
+
+def comp_gate(
+    kappa: torch.Tensor,
+    mask: torch.Tensor,
+    g_min: float = 0.9,
+    g_max: float = 1.0,
+    slope: float = 1.0,
+    offset: float = 0.0,
+) -> torch.Tensor:
+    """CompPO's retention gate g = g_min + (g_max − g_min)·σ(a·κ̃ + b), κ̃ = (κ − μ)/σ standardised
+    over the batch's masked-in tokens (σ: unbiased std; κ̃ = 0 when all κ are equal). Detached.
+    Provenance: reconstructed (the abstract says only "bounded, from the attention concentration").
+    kappa, mask: [B, L] -> [B, L] (g_min + (g_max − g_min)·σ(b) off the mask, unused)
+    """
+    k = kappa.double().detach()
+    sel = k[mask.bool()]
+    if sel.numel() > 1 and float(sel.std()) > 0:
+        z = (k - sel.mean()) / sel.std()
+    else:
+        z = torch.zeros_like(k)
+    return g_min + (g_max - g_min) * torch.sigmoid(slope * z + offset)
+
+
+def comp_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    gate: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Comp-GAE: GAE whose discount is gated per token, in the bootstrap and in the trace.
+
+    δ_t = r_t + γ g_t V_{t+1} − V_t            (V after the last response token is 0)
+    Â_t = Σ_{k≥0} (Π_{j<k} γ λ g_{t+j}) δ_{t+k}  (closed form, written as the sum here)
+    value targets R_t = Â_t + V_t
+    Only masked-in tokens take part (t+1: the next response token of the same sequence).
+    Provenance: reconstructed from the CompPO abstract (gated bootstrap and trace; a constant gate
+    is GAE with γ·g).
+    token_rewards, values, gate, mask: [B, L] -> (advantages, returns) [B, L], 0 off the mask
+    """
+    adv = torch.zeros_like(values, dtype=torch.float64)
+    for b in range(mask.shape[0]):
+        idx = mask[b].nonzero().flatten().tolist()
+        deltas = []
+        for i, t in enumerate(idx):
+            v_next = float(values[b, idx[i + 1]]) if i + 1 < len(idx) else 0.0
+            deltas.append(
+                float(token_rewards[b, t]) + gamma * float(gate[b, t]) * v_next - float(values[b, t])
+            )
+        for i, t in enumerate(idx):
+            total, coef = 0.0, 1.0
+            for k in range(i, len(idx)):
+                total += coef * deltas[k]
+                coef *= gamma * lam * float(gate[b, idx[k]])
+            adv[b, t] = total
+    mask64 = mask.double()
+    return adv * mask64, (adv + values.double()) * mask64
+
+
+# ---------------------------------------------------------------- SAPO
+def action_spans(mask_row: torch.Tensor) -> list[tuple[int, int]]:
+    """The actions (turns) of one sequence: maximal runs of masked-in tokens, as (first, last)
+    positions. The state boundary of an action is ``first − 1`` (the last observation token)."""
+    spans, start = [], None
+    m = mask_row.bool().tolist()
+    for t, on in enumerate(m + [False]):
+        if on and start is None:
+            start = t
+        elif not on and start is not None:
+            spans.append((start, t - 1))
+            start = None
+    return spans
+
+
+def sapo_turn_gae(
+    turn_rewards: list[list[float]], state_values: list[list[float]], gamma: float = 1.0, lam: float = 1.0
+) -> tuple[list[list[float]], list[list[float]]]:
+    """SAPO's trajectory-level GAE over turns, per trajectory.
+
+    δ_t = r_t + γ V(s_{t+1}) − V(s_t)  (V after the last turn: 0);  A_t = Σ_l (γλ)^l δ_{t+l};
+    λ-return targets G^λ_t = A_t + V(s_t). Returns (A, G^λ) per trajectory (not normalised).
+    Provenance: reconstructed (SAPO's sources were not found).
+    """
+    advs, rets = [], []
+    for r, v in zip(turn_rewards, state_values):
+        n = len(r)
+        delta = [r[t] + gamma * (v[t + 1] if t + 1 < n else 0.0) - v[t] for t in range(n)]
+        a = [sum((gamma * lam) ** (k - t) * delta[k] for k in range(t, n)) for t in range(n)]
+        advs.append(a)
+        rets.append([a[t] + v[t] for t in range(n)])
+    return advs, rets
+
+
+def batch_normalise(values: list[list[float]], eps: float = 1e-8) -> list[list[float]]:
+    """(x − mean)/(std + eps) over every entry of the batch (unbiased std; all equal: 0)."""
+    flat = torch.tensor([x for row in values for x in row], dtype=torch.float64)
+    if flat.numel() == 0 or bool(flat.max() == flat.min()):
+        return [[0.0] * len(row) for row in values]
+    std = float(flat.std()) if flat.numel() > 1 else 0.0
+    mean = float(flat.mean())
+    return [[(x - mean) / (std + eps) for x in row] for row in values]
+
+
+def sapo_head_loss(
+    v_state: list[torch.Tensor],
+    q_action: list[torch.Tensor],
+    turn_rewards: list[list[float]],
+    targets: list[list[float]],
+    gamma: float = 1.0,
+    value_coef: float = 1.0,
+    sarsa_coef: float = 1.0,
+) -> torch.Tensor:
+    """SAPO's value-head loss, means over the batch's turns:
+
+    L_V = ½ (V(s_t) − sg G^λ_t)²
+    L_Q = ½ (Q(s_t,a_t) − sg[r_t + γ Q(s_{t+1},a_{t+1})])²   (Q after termination: 0)
+    loss = c_V L_V + c_Q L_Q
+    v_state, q_action: per trajectory, [n_turns] tensors (differentiable).
+    Provenance: reconstructed (on-policy SARSA; the spec's Σ over turns is a mean here).
+    """
+    lv, lq, n = 0.0, 0.0, 0
+    for v, q, r, g in zip(v_state, q_action, turn_rewards, targets):
+        for t in range(len(r)):
+            q_next = q[t + 1].detach() if t + 1 < len(r) else torch.zeros((), dtype=q.dtype)
+            lv = lv + 0.5 * (v[t] - g[t]) ** 2
+            lq = lq + 0.5 * (q[t] - (r[t] + gamma * q_next)) ** 2
+            n += 1
+    n = max(n, 1)
+    return value_coef * lv / n + sarsa_coef * lq / n

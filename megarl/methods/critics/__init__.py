@@ -1,3 +1,7 @@
 """Critics and values: the ``values`` input (a Megatron critic) and the methods built on it."""
 
-from megarl.methods.critics import critic  # noqa: F401  (registers the ``values`` provider)
+from megarl.methods.critics import (
+    comp_gae,  # noqa: F401  (comp_gae estimator, attention_concentration)
+    critic,  # noqa: F401  (registers the ``values`` provider)
+    sapo,  # noqa: F401  (sapo_gae estimator)
+)

@@ -16,7 +16,10 @@ whiten_advantages (batch whitening of the advantages before the policy update), 
 the returns the advantage estimator wrote | monte_carlo: the discounted reward-to-go, GAE with
 λ = 1), warmup_steps (the first N RL steps train the critic only: the hook asks the trainer to skip
 the policy's optimizer steps, ``updates_policy``), context (a privileged critic: it reads each prompt
-with the ``critic_context`` round input appended, megarl.methods.critics.privileged).
+with the ``critic_context`` round input appended, megarl.methods.critics.privileged), model
+(critic: the Megatron critic above | trunk: a small head on the policy's own detached hidden
+states, no second model: megarl.methods.critics.trunk, with layer, head_width, boundaries and
+sarsa_coef).
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ class CriticKnobs(Knobs):
     targets: str = "estimator"
     warmup_steps: int = 0
     context: bool = False
+    model: str = "critic"
+    layer: int = -1
+    head_width: int = 64
+    boundaries: bool = False
+    sarsa_coef: float = 0.0
 
     def check(self) -> None:
         """Ranges and names."""
@@ -76,9 +84,30 @@ class CriticKnobs(Knobs):
             raise ValueError(f"targets={self.targets!r}; known: {', '.join(VALUE_TARGETS)}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if self.model not in VALUE_MODELS:
+            raise ValueError(f"model={self.model!r}; known: {', '.join(VALUE_MODELS)}")
+        if self.model == "critic" and (self.boundaries or self.sarsa_coef):
+            raise ValueError("boundaries and sarsa_coef need model: trunk (a head on the policy's trunk)")
+        if self.model == "trunk" and self.context:
+            raise ValueError("context: true needs model: critic (the trunk reads the policy's own prompt)")
+        if self.layer < -1 or self.head_width < 0 or self.sarsa_coef < 0:
+            raise ValueError(
+                f"layer={self.layer} (>= -1), head_width={self.head_width} (>= 0) and "
+                f"sarsa_coef={self.sarsa_coef} (>= 0) out of range"
+            )
 
 
 VALUE_TARGETS: tuple[str, ...] = ("estimator", "monte_carlo")
+VALUE_MODELS: tuple[str, ...] = ("critic", "trunk")
+
+
+def build_values(ctx: Any, knobs: CriticKnobs) -> Any:
+    """The ``values`` part: the Megatron critic, or a head on the policy's trunk (``model: trunk``)."""
+    if knobs.model == "trunk":
+        from megarl.methods.critics.trunk import TrunkCritic
+
+        return TrunkCritic(ctx, knobs)
+    return Critic(ctx, knobs)
 
 
 def value_targets(batch: PackedBatch, targets: str, gamma: float = 1.0) -> torch.Tensor | None:
@@ -195,7 +224,7 @@ VALUES = register_provider(
     InputProvider(
         ("values",),
         "learner",
-        lambda ctx, names: Critic(ctx, ctx.knobs),
+        lambda ctx, names: build_values(ctx, ctx.knobs),
         knobs=CriticKnobs,
         summary="a Megatron critic (value head on the policy's architecture), trained beside the policy",
     )
