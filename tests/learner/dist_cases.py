@@ -824,6 +824,7 @@ CASES.update(__import__("tests.learner.perturbation_cases", fromlist=["CASES"]).
 CASES.update(__import__("tests.learner.self_teacher_cases", fromlist=["CASES"]).CASES)
 CASES.update(__import__("tests.learner.gradient_cases", fromlist=["CASES"]).CASES)
 CASES.update(__import__("tests.learner.teacher_cases", fromlist=["CASES"]).CASES)
+CASES.update(__import__("tests.learner.probe_cases", fromlist=["CASES"]).CASES)
 
 
 def run_case(spec: str, args) -> dict:
