@@ -28,6 +28,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.rollout.workflow",
     "megarl.rollout.tool_env",
     "megarl.rollout.grid_env",
+    "megarl.rollout.instructed",
 )
 
 # method name -> "module:attr" of its MethodSpec
@@ -86,6 +87,8 @@ METHODS: dict[str, str] = {
     "opdvr": "megarl.methods.distillation.opdvr:OPDVR",
     "grpd": "megarl.methods.distillation.opdvr:GRPD",
     "regen": "megarl.methods.agents.regen:SPEC",
+    "el": "megarl.methods.agents.el:SPEC",
+    "ice": "megarl.methods.agents.ice:SPEC",
 }
 
 _loaded = False

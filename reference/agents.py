@@ -249,3 +249,86 @@ def trial_hd_per_token(logp, hind_logp, ord_logp, mask, turns):
         for k, pos in enumerate(pos_list):
             coef[i, pos] = m[i][k] * gap[i, pos]
     return -coef * logp
+
+
+# ------------------------------------------------------------- Experiential Learning, ICE, SRRL
+# Reconstructed (no source found; the formulas are ours). Padded [B, L] tensors; logits [B, L, V]
+# aligned with tokens (logits[b, t] scores tokens[b, t]); teacher_logp: log-probabilities of the
+# tokens under the policy reading a context (stop-gradient); on [B]: the sequence had a context.
+
+
+def _token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+
+
+def _ppo_clip(logp, old_logp, adv, clip_low, clip_high):
+    r = torch.exp(logp - old_logp)
+    return torch.maximum(-r * adv, -torch.clamp(r, 1 - clip_low, 1 + clip_high) * adv)
+
+
+def el_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    old_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    on: torch.Tensor,
+    aggregation: str = "token-mean",
+    rl_coef: float = 0.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> torch.Tensor:
+    """Experiential Learning (LLM-as-a-Coach): on-policy context distillation from the policy
+    reading the coach's knowledge k_i, a scalar.
+
+        ℓ_t = log π^sg(y_t|x, k_i, y_<t) − log π_old(y_t|x, y_<t)
+        loss_t = −sg(ℓ_t) · exp(log π_θ(y_t) − sg(log π_old(y_t)))  on samples with knowledge (on)
+                 + rl_coef · PPO-clip(π_θ/π_old, A)
+        loss = aggregate(loss_t, mask)
+
+    Samples without knowledge (k = ∅) carry no distillation term.
+    """
+    logp = _token_logp(logits, tokens)
+    sd = -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach())
+    per_tok = on[:, None].to(logp.dtype) * sd
+    if rl_coef:
+        per_tok = per_tok + rl_coef * _ppo_clip(logp, old_logp, adv, clip_low, clip_high)
+    from reference.aggregation import aggregate
+
+    return aggregate(per_tok, mask, aggregation)
+
+
+def ice_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    old_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    on: torch.Tensor,
+    aggregation: str = "token-mean",
+    sd_coef: float = 1.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> torch.Tensor:
+    """ICE + Asymmetric-RL/SD, a scalar. Sequences are the plain prompt and a response drawn with
+    an exploration instruction I_j (on: there was one); teacher_logp = log π^sg(y_t|x, I_j, y_<t).
+
+        A_i   = the masked mean of adv over sequence i (the group advantage)
+        loss_t = PPO-clip(π_θ(y_t|x)/π_old(y_t|x), A_i)
+                 + sd_coef · 1[A_i > 0 and on_i] · (teacher_logp − log π_θ(y_t|x, y_<t))
+        loss = aggregate(loss_t, mask)
+
+    The second term is the sampled-token KL(π^sg(·|x, I_j) ‖ π_θ(·|x)) on tokens the conditioned
+    policy drew; with no instruction anywhere the loss is PPO-clip.
+    """
+    logp = _token_logp(logits, tokens)
+    m = mask.to(logp.dtype)
+    a = (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
+    pos = ((a > 0) & on.bool()).to(logp.dtype)[:, None]
+    sd = teacher_logp.detach() - logp
+    per_tok = _ppo_clip(logp, old_logp, adv, clip_low, clip_high) + sd_coef * pos * sd
+    from reference.aggregation import aggregate
+
+    return aggregate(per_tok, mask, aggregation)

@@ -23,7 +23,8 @@ class RolloutRound:
     prompt_ids: [G] token ids; response_ids/texts: [G * n]; dims: name -> [G * n] reward
     dimensions; scalar: [G * n] their weighted sum (after earlier processors: the shaped value);
     weights: name -> the reward function's weight; correct: [G * n] bool, the verdicts of the reward
-    marked as the correctness check (megarl/rewards/correctness.py), None when there is none.
+    marked as the correctness check (megarl/rewards/correctness.py), None when there is none;
+    extras: name -> [G * n] per-sample values the rollout workflow attached (a float or a row each).
     """
 
     prompts: list[str]
@@ -39,6 +40,7 @@ class RolloutRound:
     round: int
     weights: dict[str, float] = field(default_factory=dict)
     correct: torch.Tensor | None = None
+    extras: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass

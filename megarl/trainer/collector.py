@@ -170,6 +170,7 @@ class RolloutCollector:
                 loss_mask=t.loss_mask,
                 turn_spans=t.turn_spans,
                 turn_rewards=t.turn_rewards,
+                extras=t.extras,
             )
             for t in trajs
         ]
@@ -227,8 +228,9 @@ class RolloutCollector:
             rnd,
             dict(self.weights),
             correct=rr.correct,
+            extras=sample_extras(groups),
         )
-        extras: dict[str, list[float]] = {}
+        extras: dict[str, list] = dict(r.extras)
         for proc in self.processors:
             out = await proc.process(r)
             if out.scalar is not None:
@@ -242,6 +244,20 @@ class RolloutCollector:
             g.reward_dims = {name: v[sl].tolist() for name, v in rr.dims.items()}
             g.extras = {name: list(v[sl]) for name, v in extras.items()}
             k += len(g.samples)
+
+
+def sample_extras(groups: list[GroupRecord]) -> dict[str, list]:
+    """The workflow's per-sample extras of a round, name -> [G * n] in sample order; every sample
+    must carry the same names (the error names the first sample that differs)."""
+    samples = [s for g in groups for s in g.samples]
+    names = set(samples[0].extras or {}) if samples else set()
+    for i, s in enumerate(samples):
+        if set(s.extras or {}) != names:
+            raise ValueError(
+                f"rollout workflow extras: sample {i} carries {sorted(s.extras or {})}, "
+                f"sample 0 carries {sorted(names)}; every sample of a round must carry the same names"
+            )
+    return {k: [s.extras[k] for s in samples] for k in sorted(names)}  # type: ignore[index]
 
 
 def count_samples(stats: dict, g: GroupRecord, issued: bool = False, effective: bool = False) -> None:

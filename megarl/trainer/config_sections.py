@@ -166,11 +166,14 @@ class EnvironmentConfig:
     as an observation and another turn, up to ``max_turns``; the episode's outcome is its last
     answer's reward. ``tools``: the model may call tools (``<tool_call>`` JSON; a calculator) and
     gets their results as observations until it answers, up to ``max_turns`` turns. ``grid``: a text
-    game, one move per turn on a small board with per-turn rewards (docs/agents.md#the-grid-game)."""
+    game, one move per turn on a small board with per-turn rewards (docs/agents.md#the-grid-game).
+    ``instructed``: each sample is generated with one of ``instructions`` (or none, uniformly)
+    after the prompt; the trained sequence is the plain prompt and the response."""
 
-    name: str = "none"  # a WORKFLOWS name: none (single turn), retry (wrong: one more turn), tools, grid
+    name: str = "none"  # a WORKFLOWS name: none, retry (wrong: one more turn), tools, grid, instructed
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
+    instructions: list[str] = field(default_factory=list)  # instructed: texts sampled after the prompt
 
 
 @dataclass

@@ -23,7 +23,8 @@ class SampleRecord:
     """One finished sample: ``token_ids``/``logprobs`` [R]; ``text``: what was scored; ``loss_mask``
     [R], ``turn_spans`` and ``turn_rewards`` (one per assistant turn) for multi-turn episodes;
     ``version``: the oldest policy version that
-    generated any of its tokens; ``mixed``: generated across a weight update."""
+    generated any of its tokens; ``mixed``: generated across a weight update; ``extras``: the
+    workflow's per-sample values (name -> float or row)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -35,6 +36,7 @@ class SampleRecord:
     loss_mask: list[float] | None = None
     turn_spans: list | None = None
     turn_rewards: list[float] | None = None
+    extras: dict | None = None
 
 
 @dataclass
