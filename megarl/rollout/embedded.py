@@ -5,6 +5,10 @@ its own decode loop over the model's KV cache, so it returns exactly what the se
 generated token ids (a matched stop token included), the raw model logprob of each sampled token
 (before temperature / top-p), and a finish reason. Requests are served one at a time in a worker
 thread; the ``n`` samples of a request decode together as one batch (same prompt, no padding).
+
+A ``Decoder`` installed with ``install_decoder`` replaces that decode loop (e.g. speculative
+decoding): it gets the validated request, the request's seeded generator and the stop ids, and
+returns the samples in the same form (every logprob the model's own, before temperature / top-p).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -86,6 +90,20 @@ def teacher_forced_logprobs(
     return logp.gather(-1, torch.tensor(response_ids).unsqueeze(-1)).squeeze(-1)
 
 
+@runtime_checkable
+class Decoder(Protocol):
+    """A decode loop for the embedded engine; runs in its worker thread with the model locked."""
+
+    def decode(
+        self,
+        engine: EmbeddedEngine,
+        req: GenerateRequest,
+        gen: torch.Generator,
+        stop_ids: set[int],
+        abort: threading.Event,
+    ) -> list[Sample]: ...
+
+
 class EmbeddedEngine(RolloutEngine):
     """``RolloutEngine`` over an in-process HF causal LM.
 
@@ -124,6 +142,7 @@ class EmbeddedEngine(RolloutEngine):
         self._abort_flags: dict[str, threading.Event] = {}
         self.dead_reason: str | None = None
         self._cache_arg: str | None = None
+        self.decoder: Decoder | None = None  # None: the plain decode loop below
 
     @classmethod
     def from_pretrained(
@@ -179,6 +198,8 @@ class EmbeddedEngine(RolloutEngine):
             gen = torch.Generator()
             gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,))))
             stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+            if self.decoder is not None:
+                return self.decoder.decode(self, req, gen, stop_ids, abort)
             ids = torch.tensor([list(req.prompt_ids)] * n, dtype=torch.long)  # [n, P]
             out = self.model(input_ids=ids, use_cache=True)
             tokens: list[list[int]] = [[] for _ in range(n)]
@@ -206,13 +227,9 @@ class EmbeddedEngine(RolloutEngine):
                     t = int(nxt[i])
                     tokens[i].append(t)
                     logprobs[i].append(float(lp[i]))
-                    if t in stop_ids:
-                        finish[i], stop_reason[i] = "stop", (t if t in sp.stop_token_ids else None)
-                    elif sp.stop_strings and self.tokenizer is not None:
-                        text = self.tokenizer.decode(tokens[i])
-                        hit = next((s for s in sp.stop_strings if s in text), None)
-                        if hit is not None:
-                            finish[i], stop_reason[i] = "stop", hit
+                    hit = self.stop_hit(tokens[i], stop_ids, sp)
+                    if hit is not None:
+                        finish[i], stop_reason[i] = "stop", hit[0]
                 if all(f is not None for f in finish):
                     break
                 out = self.model(input_ids=nxt.unsqueeze(-1), use_cache=True, **self._cache_kw(out))
@@ -227,6 +244,27 @@ class EmbeddedEngine(RolloutEngine):
                 )
                 for i in range(n)
             ]
+
+    def stop_hit(self, tokens: list[int], stop_ids: set[int], sp: Any) -> tuple[Any] | None:
+        """``(stop_reason,)`` when the sample ``tokens`` ends with a stop (its last token is a stop
+        id: the id when it is one of ``sp.stop_token_ids``, else None; or its text holds a stop
+        string: the string), None while it goes on."""
+        t = tokens[-1]
+        if t in stop_ids:
+            return (t if t in sp.stop_token_ids else None,)
+        if sp.stop_strings and self.tokenizer is not None:
+            text = self.tokenizer.decode(tokens)
+            hit = next((s for s in sp.stop_strings if s in text), None)
+            if hit is not None:
+                return (hit,)
+        return None
+
+    def install_decoder(self, decoder: Decoder | None) -> Decoder | None:
+        """Replace the decode loop with ``decoder`` (None: the plain loop) once the running request
+        is done; returns the one it replaces."""
+        with self._lock:
+            old, self.decoder = self.decoder, decoder
+        return old
 
     def _cache_kw(self, out: Any) -> dict:
         # transformers >= 5.2x names the KV cache ``cache``; older releases ``past_key_values``.
