@@ -97,6 +97,10 @@ def check_signal(name: str, r: dict) -> None:
     if name == "sara":  # streaming allocation: per-prompt decisions, history checkpointed
         assert st["method"]["allocator"] == ["history", "mu", "totals"], st
         assert len(_any(r, "alloc/prompts_opened")) == STEPS and len(_any(r, "budget/samples")) == STEPS
+    if name == "specroll":  # every rollout went through the speculative decoder; its heads are checkpointed
+        tpf = _any(r, "specroll/tokens_per_forward")
+        assert len(tpf) == STEPS and all(t >= 1.0 for t in tpf), tpf
+        assert st["method"]["SpecRollPart"] == ["buffer", "ema", "heads", "low", "slow_updates", "totals"], st
     if name == "gepo":
         assert st["method"]["inputs"] == ["estimator"], st  # the entropy history is checkpointed
         assert _any(r, "adv/gepo_h_mean") and _any(r, "rollout/entropy_old")
