@@ -230,7 +230,8 @@ def sapo_head_loss(
     v_state, q_action: per trajectory, [n_turns] tensors (differentiable).
     Provenance: reconstructed (on-policy SARSA; the spec's Σ over turns is a mean here).
     """
-    lv, lq, n = 0.0, 0.0, 0
+    lv = lq = torch.zeros((), dtype=torch.float64)
+    n = 0
     for v, q, r, g in zip(v_state, q_action, turn_rewards, targets):
         for t in range(len(r)):
             q_next = q[t + 1].detach() if t + 1 < len(r) else torch.zeros((), dtype=q.dtype)
