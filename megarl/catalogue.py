@@ -29,6 +29,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.rollout.tool_env",
     "megarl.rollout.grid_env",
     "megarl.rollout.instructed",
+    "megarl.rollout.reflect",
 )
 
 # method name -> "module:attr" of its MethodSpec
@@ -88,6 +89,9 @@ METHODS: dict[str, str] = {
     "opdvr": "megarl.methods.distillation.opdvr:OPDVR",
     "grpd": "megarl.methods.distillation.opdvr:GRPD",
     "regen": "megarl.methods.agents.regen:SPEC",
+    "srpo": "megarl.methods.agents.srpo:SPEC",
+    "crpo": "megarl.methods.agents.crpo:SPEC",
+    "reflectrl": "megarl.methods.agents.reflectrl:SPEC",
     "el": "megarl.methods.agents.el:SPEC",
     "ice": "megarl.methods.agents.ice:SPEC",
 }

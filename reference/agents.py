@@ -332,3 +332,158 @@ def ice_loss(
     from reference.aggregation import aggregate
 
     return aggregate(per_tok, mask, aggregation)
+
+
+# ------------------------------------------------------------------- SRPO, CRPO, ReflectRL
+# Token-level shaping from the policy's own privileged-context forward, and reflective rollouts.
+# teacher_logp = log π_θ^{sg}(y_t | x, c, y_<t) (the same weights reading a context c after the
+# prompt), student_logp = log π_θ(y_t | x, y_<t) before the update, on = [B] 1 where c is non-empty.
+
+
+def _grpo_seq(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool, eps: float) -> torch.Tensor:
+    from reference.advantages import grpo
+
+    return grpo(rewards.double(), group_ids, scale_by_std, eps)
+
+
+def srpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    student_logp: torch.Tensor,
+    mask: torch.Tensor,
+    on: torch.Tensor,
+    coef: float = 1.0,
+    gap_clip: float = 2.0,
+    with_outcome: bool = True,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """SRPO's dense token advantage [B, L] (reconstructed from the abstract).
+
+        ℓ_t = log π^{sg}(y_t | x, p, y_<t) − log π(y_t | x, y_<t)   (p: the reflection patch; 0 where
+              the sample has no patch), clipped to [−gap_clip, gap_clip] when gap_clip > 0
+        A_t = A^GRPO_b + coef · ℓ_t      (with_outcome; else coef · ℓ_t alone, as in OPSD)
+
+    on the loss tokens, 0 elsewhere. An empty patch gives ℓ ≡ 0: GRPO.
+    """
+    gap = (teacher_logp.double() - student_logp.double()) * on.double()[:, None]
+    if gap_clip > 0:
+        gap = gap.clamp(-gap_clip, gap_clip)
+    base = _grpo_seq(rewards, group_ids, scale_by_std, eps)[:, None] if with_outcome else 0.0
+    return (base + coef * gap) * mask.double()
+
+
+def crpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    student_logp: torch.Tensor,
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    turn: torch.Tensor,
+    on: torch.Tensor,
+    coef: float = 1.0,
+    eta: float = 0.0,
+    entropy_threshold: float = 0.5,
+    gap_threshold: float = 1.0,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CRPO's contrastive token advantage (reconstructed; no source found): ([B, L] advantages,
+    positive positions, negative positions).
+
+        ℓ_t  = log π^{sg}(y_t | x, priv, y_<t) − log π(y_t | x, y_<t)       (on samples with a context)
+        P    = {t : H_t ≥ entropy_threshold},  N = {t : H_t < entropy_threshold, |ℓ_t| ≥ gap_threshold}
+        ℓ̃_t  = ℓ_t − mean{ℓ_s : s a loss token with a context, same group, same turn index}
+        A_t  = A^GRPO_b + coef · (1[t∈P] ℓ̃_t − eta · 1[t∈N] ℓ̃_t)
+
+    turn [B, L]: the assistant-turn index of each token (its k-th assistant span); positions and the
+    centering count loss tokens of samples with a context only (ℓ̃ = 0 elsewhere), so Σ ℓ̃ = 0 over
+    each (group, turn). eta = 0 drops the negative term, eta < 0 reverses it.
+    """
+    m = mask.bool() & on.bool()[:, None]
+    gap = torch.where(m, teacher_logp.double() - student_logp.double(), torch.zeros((), dtype=torch.float64))
+    centred = torch.zeros_like(gap)
+    g2 = group_ids[:, None].expand_as(turn)
+    for g in torch.unique(group_ids):
+        for k in torch.unique(turn[m & (g2 == g)]):
+            sel = m & (g2 == g) & (turn == k)
+            centred[sel] = gap[sel] - gap[sel].mean()
+    pos = m & (entropy.double() >= entropy_threshold)
+    neg = m & (entropy.double() < entropy_threshold) & (gap.abs() >= gap_threshold)
+    shaped = coef * (pos.double() * centred - eta * neg.double() * centred)
+    base = _grpo_seq(rewards, group_ids, scale_by_std, eps)[:, None]
+    return (base + shaped) * mask.double(), pos, neg
+
+
+DIRECT, REFLECTIVE, TRANSFER = 0, 1, 2
+
+
+def reflectrl_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    role: torch.Tensor,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """ReflectRL's per-sequence advantages [B] (reconstructed; no source found).
+
+    role [B]: 0 direct rollout (prompt x), 1 reflective rollout (x, then the reflection context
+    T(x, τ^E) built on a golden negative trajectory τ^E), 2 transfer copy (a reflective rollout's
+    response under the direct context x). Direct and reflective samples get GRPO within their own
+    (group, role) subgroup; a transfer copy gets max(0, (R − mean_R) / (std_R + eps)) with the mean
+    and (unbiased) std of its group's reflective subgroup: only reflective successes transfer.
+    """
+    r = rewards.double()
+    out = torch.zeros_like(r)
+    for g in torch.unique(group_ids):
+        for ro in (DIRECT, REFLECTIVE):
+            sel = (group_ids == g) & (role == ro)
+            if sel.any():
+                out[sel] = _grpo_seq(r[sel], torch.zeros(int(sel.sum()), dtype=torch.long), scale_by_std, eps)
+        t = (group_ids == g) & (role == TRANSFER)
+        refl = r[(group_ids == g) & (role == REFLECTIVE)]
+        if not t.any() or refl.numel() < 2 or bool((refl == refl[0]).all()):
+            continue
+        a = r[t] - refl.mean()
+        if scale_by_std:
+            a = a / (refl.std() + eps)
+        out[t] = a.clamp(min=0)
+    return out
+
+
+def reflectrl_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    old_logp: torch.Tensor,
+    reflect_logp: torch.Tensor,
+    role: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    r2d_coef: float = 1.0,
+    aggregation: str = "token-mean",
+) -> torch.Tensor:
+    """ReflectRL's loss on a padded batch [B, L] (reconstructed).
+
+    Direct and reflective tokens: PPO clip against old_logp. Transfer tokens (role 2), the
+    Reflective-to-Direct term, with w_t = π_θ(y_t | x, y_<t) / sg(π_θ(y_t | T, y_<t)) (reflect_logp:
+    the same response read with the reflection context):
+
+        L_R2D,t = r2d_coef · max(−w_t A, −clip(w_t, 1 − clip_low, 1 + clip_high) · A)
+
+    aggregated with the objective's aggregation over every loss token.
+    """
+    from reference.aggregation import aggregate
+
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logp = logp.to(logits.dtype)
+    transfer = (role == TRANSFER)[:, None].expand_as(logp)
+    old = torch.where(transfer, reflect_logp.to(logp.dtype), old_logp.to(logp.dtype))
+    ratio = torch.exp(logp - old)
+    a = adv.to(logp.dtype)
+    per_tok = torch.maximum(-ratio * a, -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * a)
+    per_tok = torch.where(transfer, r2d_coef * per_tok, per_tok)
+    return aggregate(per_tok, mask, aggregation)

@@ -68,6 +68,7 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     # the barely warmed smoke policy has no correct sibling and no majority answer: give the
     # self-teacher a context so that its forward runs in the smoke's 2 steps
     "sc-grpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
+    "crpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
     # room for the 4 groups of the smoke's 2 mini-batches x 2 replicas after abandoned prompts
     "sara": {"method": {"budget_samples": 64}},
@@ -178,7 +179,6 @@ def _state_summary(run) -> dict:
     fresh = MethodRuntime.build_learner_side(ctx, run.spec)
     fresh.build_rank0_side(ctx, run.spec, run.method_knobs)
     fresh.load_state_dict(meth, rank0=dist.get_rank() == 0)
-    fresh.close()  # parts holding resources (clients, an engine's decode loop) let them go
     summary = {"inputs": ["estimator"] if meth["estimator"] is not None else []}
     names = {"ShapingProcessor": "shaping", "RRPOScorer": "rrpo"}
     for proc, st in zip(run.method.round_processors, meth["round_processors"]):
@@ -280,9 +280,7 @@ def run_example(run, name: str, cfg, init_dir: Path, steps: int) -> dict:
         rec = trainer.step(s)
         rec["wall_s"] = time.time() - t0
         recs.append({k: v for k, v in rec.items() if isinstance(v, (int, float, str))})
-    state = _state_summary(run)
-    run.method.close()  # as Trainer.finish does: the shared engine goes on to the next example as it was
-    return {"steps": recs, "param_change": _max_change(before, run), "state": state}
+    return {"steps": recs, "param_change": _max_change(before, run), "state": _state_summary(run)}
 
 
 def main(argv: list[str] | None = None) -> int:

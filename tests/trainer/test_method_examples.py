@@ -97,10 +97,6 @@ def check_signal(name: str, r: dict) -> None:
     if name == "sara":  # streaming allocation: per-prompt decisions, history checkpointed
         assert st["method"]["allocator"] == ["history", "mu", "totals"], st
         assert len(_any(r, "alloc/prompts_opened")) == STEPS and len(_any(r, "budget/samples")) == STEPS
-    if name == "specroll":  # every rollout went through the speculative decoder; its heads are checkpointed
-        tpf = _any(r, "specroll/tokens_per_forward")
-        assert len(tpf) == STEPS and all(t >= 1.0 for t in tpf), tpf
-        assert st["method"]["SpecRollPart"] == ["buffer", "ema", "heads", "low", "slow_updates", "totals"], st
     if name == "gepo":
         assert st["method"]["inputs"] == ["estimator"], st  # the entropy history is checkpointed
         assert _any(r, "adv/gepo_h_mean") and _any(r, "rollout/entropy_old")
@@ -141,6 +137,12 @@ def check_signal(name: str, r: dict) -> None:
     elif name == "geosd":  # only its term trains; the lagged copy was refreshed at step 1, then aged
         assert len(_any(r, "train/reg/geosd")) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
         assert _any(r, "geosd/checkpoint_age") == [0.0, 1.0]
+    elif name == "srpo":  # patches were made, and read by the privileged forward
+        assert min(_any(r, "srpo/patch_frac")) > 0 and min(_any(r, "reflection_logprobs/forwarded_frac")) > 0
+    elif name == "crpo":  # the self-teacher read its context (the smoke gives it the answer)
+        assert min(_any(r, "self_teacher/forwarded_frac")) > 0 and _any(r, "rollout/entropy_old")
+    elif name == "reflectrl":  # transfer copies in both steps, read again with their reflection context
+        assert min(_any(r, "reflect_logprobs/forwarded_frac")) > 0
     elif name == "tide":  # only the TIDE term trains (no policy loss, no KL); its inputs reached it
         assert len(_any(r, "train/reg/tide")) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
     elif name == "bounded-advantages":  # the plugin: its step hook ran and its state is checkpointed

@@ -4,4 +4,4 @@ Importing this package registers the policy loss ``regen`` and the advantage est
 Formulas: reference/agents.py; docs: docs/methods/regen.md.
 """
 
-from megarl.methods.agents import context_teacher, el, ice, regen, replay  # noqa: F401
+from megarl.methods.agents import context_teacher, crpo, el, ice, reflectrl, regen, replay, srpo  # noqa: F401
