@@ -94,6 +94,9 @@ METHODS: dict[str, str] = {
     "reflectrl": "megarl.methods.agents.reflectrl:SPEC",
     "el": "megarl.methods.agents.el:SPEC",
     "ice": "megarl.methods.agents.ice:SPEC",
+    "taspo": "megarl.methods.agents.taspo:SPEC",
+    "trial": "megarl.methods.agents.trial:SPEC",
+    "agent_opsd": "megarl.methods.agents.agent_opsd:SPEC",
 }
 
 _loaded = False
