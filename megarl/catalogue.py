@@ -78,6 +78,7 @@ METHODS: dict[str, str] = {
     "3po": "megarl.methods.gradients.three_po:SPEC",
     "gupo": "megarl.methods.gradients.gupo:SPEC",
     "gcpo": "megarl.methods.gradients.gcpo:SPEC",
+    "agon": "megarl.methods.gradients.agon:SPEC",
     "distilled_rl": "megarl.methods.distillation.distilled_rl:SPEC",
     "opd_regulation": "megarl.methods.distillation.opd_regulation:SPEC",
     "ra_opd": "megarl.methods.distillation.ra_opd:SPEC",

@@ -126,3 +126,21 @@ def principal_overlap(update: torch.Tensor, U: torch.Tensor, V: torch.Tensor) ->
         return 0.0, 0.0
     rho = float((U.double().T @ update.double() @ V.double()).pow(2).sum()) / total
     return rho, rho * m * n / k**2
+
+
+# ------------------------------------------------------------------------------------ Agon
+def agon_step(
+    c_draft: torch.Tensor, c_read: torch.Tensor, group_ids: torch.Tensor, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Agon (RECONSTRUCTED from the abstract): per draft j of prompt group g, the drafter's reward
+    ``r_D = c(d) + γ(c(d) − c(a))`` and the reader's ``r_S = c(a) + γ(c(a) − c(d))``, then each
+    model's GRPO advantage over its own outputs of the group. Returns (r_D, r_S, A_D, A_S), [G]."""
+    from reference.advantages import grpo
+
+    r_d = torch.empty(len(c_draft), dtype=torch.float64)
+    r_s = torch.empty(len(c_draft), dtype=torch.float64)
+    for j in range(len(c_draft)):
+        cd, ca = float(c_draft[j]), float(c_read[j])
+        r_d[j] = cd + gamma * (cd - ca)
+        r_s[j] = ca + gamma * (ca - cd)
+    return r_d, r_s, grpo(r_d, group_ids), grpo(r_s, group_ids)

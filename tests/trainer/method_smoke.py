@@ -70,6 +70,8 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "sc-grpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "crpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
+    # the smoke policy is never correct in 2 steps: Agon grades with the weighted reward (format too)
+    "agon": {"method": {"verdict": "reward"}},
     # room for the 4 groups of the smoke's 2 mini-batches x 2 replicas after abandoned prompts
     "sara": {"method": {"budget_samples": 64}},
     # the smoke's run directory is shared: replay what examples/methods/regen.yaml (run before it) wrote

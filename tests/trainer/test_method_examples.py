@@ -174,6 +174,9 @@ def check_signal(name: str, r: dict) -> None:
     elif name == "3po":  # a new perturbation per version, stamped on the samples
         ids = _any(r, "3po/perturbation_id")
         assert len(ids) == STEPS and len(set(ids)) == STEPS and _any(r, "3po/sigma") == [0.003] * STEPS
+    elif name == "agon":  # A drafts at step 1 and reads at step 2; B steps its own optimizer; zero-sum
+        assert _any(r, "agon/a_drafts") == [1.0, 0.0] and _any(r, "agon/b_optimizer_steps") == [2.0] * STEPS
+        assert max(_any(r, "agon/zero_sum_residual")) < 1e-9 and st["method"]["step_hooks"] == [[]], st
     elif name == "es":  # the population was scored through the engine and the hook's count is saved
         assert _any(r, "es/members") == [1.0] * STEPS and st["method"]["step_hooks"] == [["updates"]], st
     elif name == "rstg":  # the teacher reached the gated OPD term of the all-wrong groups

@@ -5,6 +5,7 @@ Importing this package registers the family's parts.
 """
 
 from megarl.methods.gradients import (  # noqa: F401
+    agon,
     es,
     gcpo,
     gupo,
