@@ -73,6 +73,7 @@ METHODS: dict[str, str] = {
     "uopsd": "megarl.methods.distillation.uopsd:SPEC",
     "sara": "megarl.methods.allocation.sara:SPEC",
     "pac": "megarl.methods.allocation.pac:SPEC",
+    "pair": "megarl.methods.allocation.pair:SPEC",
     "specroll": "megarl.methods.allocation.specroll:SPEC",
     "es": "megarl.methods.gradients.es:SPEC",
     "3po": "megarl.methods.gradients.three_po:SPEC",

@@ -241,3 +241,109 @@ def largest_remainder(probs: Sequence[float], total: int) -> list[int]:
     for k in order[: total - sum(counts)]:
         counts[k] += 1
     return counts
+
+
+# ------------------------------------------------------------------------------------ PAIR
+# Provenance: the U-statistic identity is exact algebra; the inclusion design (variance proxy, budget,
+# independent inclusion) and the Horvitz-Thompson weights are RECONSTRUCTED from the PAIR abstract.
+def pair_loo_gradient(R: Sequence[float], s: Sequence) -> object:
+    """The unclipped leave-one-out score gradient of one prompt:
+    (1/G) sum_i (R_i - (1/(G-1)) sum_{j != i} R_j) s_i (``s``: one score vector per sample)."""
+    G = len(R)
+    return sum((R[i] - sum(R[j] for j in range(G) if j != i) / (G - 1)) * s[i] for i in range(G)) / G
+
+
+def pair_u_statistic(R: Sequence[float], s: Sequence) -> object:
+    """The same gradient as a U-statistic over pairs: (1/(G(G-1))) sum_{i<j} (R_i - R_j)(s_i - s_j)."""
+    G = len(R)
+    pairs = [(R[i] - R[j]) * (s[i] - s[j]) for i in range(G) for j in range(i + 1, G)]
+    return sum(pairs) / (G * (G - 1))
+
+
+def pair_ht_gradient(R: Sequence[float], s: Sequence, incl: Sequence[int], pi: Sequence[float]) -> object:
+    """Horvitz-Thompson: (1/(G(G-1))) sum_{i<j} I_i I_j (R_i - R_j)(s_i - s_j) / (pi_i pi_j)
+    (independent inclusion: pi_ij = pi_i pi_j)."""
+    G = len(R)
+    total = 0.0 * s[0]
+    for i in range(G):
+        for j in range(i + 1, G):
+            if incl[i] and incl[j]:
+                total = total + (R[i] - R[j]) * (s[i] - s[j]) / (pi[i] * pi[j])
+    return total / (G * (G - 1))
+
+
+def pair_ht_advantages(R: Sequence[float], incl: Sequence[int], pi: Sequence[float]) -> list[float]:
+    """The HT estimator collapsed to one advantage per sample (one backward):
+    A_i = I_i / (G(G-1)) sum_{j != i} I_j (R_i - R_j) / (pi_i pi_j); sum_i A_i s_i is
+    ``pair_ht_gradient``."""
+    G = len(R)
+    return [
+        incl[i] * sum(incl[j] * (R[i] - R[j]) / (pi[i] * pi[j]) for j in range(G) if j != i) / (G * (G - 1))
+        for i in range(G)
+    ]
+
+
+def pair_design_objective(pi: Sequence[float], p: Sequence[float]) -> float:
+    """The variance proxy sum_{i<j} v_ij / (pi_i pi_j), v_ij = p_i (1 - p_j) + p_j (1 - p_i)."""
+    G = len(pi)
+    return sum(
+        (p[i] * (1 - p[j]) + p[j] * (1 - p[i])) / (pi[i] * pi[j]) for i in range(G) for j in range(i + 1, G)
+    )
+
+
+def _project(y: Sequence[float], c: Sequence[float], budget: float, pi_min: float) -> list[float]:
+    """Euclidean projection onto {pi in [pi_min, 1]^G (pi_i = 1 where c_i = 0), sum c pi <= budget}:
+    clip(y - t c) with the smallest t >= 0 that meets the budget (bisection)."""
+
+    def at(t: float) -> list[float]:
+        return [1.0 if ci <= 0 else min(1.0, max(pi_min, yi - t * ci)) for yi, ci in zip(y, c)]
+
+    if sum(x * ci for x, ci in zip(at(0.0), c)) <= budget:
+        return at(0.0)
+    lo, hi = 0.0, 1.0
+    while sum(x * ci for x, ci in zip(at(hi), c)) > budget:
+        hi *= 2
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if sum(x * ci for x, ci in zip(at(mid), c)) > budget:
+            lo = mid
+        else:
+            hi = mid
+    return at(hi)
+
+
+def pair_design(
+    p: Sequence[float], c: Sequence[float], budget: float, pi_min: float, iters: int = 20000
+) -> list[float]:
+    """PAIR's inclusion design: pi minimising ``pair_design_objective`` over pi in [pi_min, 1] with
+    sum_i pi_i c_i <= budget (c_i = 0: pi_i = 1), by projected gradient descent with backtracking
+    (the objective is convex in pi). A budget below pi_min sum c gives pi_min on every costly prefix."""
+    G = len(p)
+    if sum(c) <= budget:
+        return [1.0] * G
+    if sum(pi_min * ci for ci in c) >= budget:
+        return [1.0 if ci <= 0 else pi_min for ci in c]
+    pi = _project([1.0] * G, c, budget, pi_min)
+    f = pair_design_objective(pi, p)
+    step = 1e-2
+    for _ in range(iters):
+        grad = [
+            -sum((p[i] * (1 - p[j]) + p[j] * (1 - p[i])) / (pi[i] ** 2 * pi[j]) for j in range(G) if j != i)
+            for i in range(G)
+        ]
+        while True:
+            new = _project([x - step * g for x, g in zip(pi, grad)], c, budget, pi_min)
+            fn = pair_design_objective(new, p)
+            if fn <= f - 1e-4 * sum((a - b) ** 2 for a, b in zip(pi, new)) / step or step < 1e-14:
+                break
+            step *= 0.5
+        if max(abs(a - b) for a, b in zip(pi, new)) < 1e-12:
+            pi = new
+            break
+        pi, f, step = new, fn, step * 2
+    return pi
+
+
+def pair_draw(pi: Sequence[float], u: Sequence[float]) -> list[bool]:
+    """Independent (Poisson) inclusion: I_i = [u_i < pi_i] for uniforms ``u``."""
+    return [ui < x for ui, x in zip(u, pi)]

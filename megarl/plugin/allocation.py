@@ -9,7 +9,7 @@ allocator through ``MethodParts.allocator`` (docs/allocation.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 ABANDON = -1  # a streaming allocator's decision: drop the prompt, abort its requests in flight
@@ -96,3 +96,58 @@ class PromptChooser(Protocol):
     def next_prompts(self, step: int, count: int) -> list[int]: ...
 
     def observe(self, step: int, groups: list[GroupOutcome]) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """What a prefix allocator sees of one prompt after its ``n`` short prefixes landed.
+
+    uid: its dataset row; slot: its position in the step; prefixes / logprobs: each prefix's token
+    ids and the engine's logprobs of them; finished: whether the prefix already ended (a stop, not
+    its length limit: it needs no continuation); n: the number of prefixes; max_new_tokens: the
+    run's sample length limit (a continuation may add ``max_new_tokens - len(prefix)`` tokens)."""
+
+    uid: int
+    slot: int
+    prefixes: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+    finished: tuple[bool, ...]
+    n: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A prefix allocator's decision for one prompt: ``keep[i]`` puts sample i in the batch (an
+    unfinished kept prefix is continued on the engine from its prefix; the others are dropped);
+    ``extras``: name -> one value per prefix, carried into the batch (``batch.extras[name]``) with
+    the kept samples (e.g. their inclusion probabilities)."""
+
+    keep: tuple[bool, ...]
+    extras: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+
+@runtime_checkable
+class PrefixAllocator(Protocol):
+    """Prefix-then-continue: each of the step's ``want`` prompts gets ``n`` prefixes of at most
+    ``prefix_tokens`` tokens; ``choose`` decides which samples the batch keeps; the kept unfinished
+    prefixes are continued on the engine (same tokens, no re-sampling of the prefix). Groups then
+    hold the kept samples only (fewer than ``n``; a group with fewer than 2 is dropped). ``choose``
+    may draw at random only from a generator seeded by (``step``, the view): a resumed run must
+    decide the same. ``end_step`` gets each prompt's view, decision, and the kept samples' rewards
+    and token counts (in kept order; empty for a dropped prompt); its state goes in checkpoints."""
+
+    want: int
+    prefix_tokens: int
+
+    def choose(self, step: int, view: PrefixView) -> Continuation: ...
+
+    def end_step(
+        self,
+        step: int,
+        prompts: list[tuple[PrefixView, Continuation, tuple[float, ...], tuple[int, ...]]],
+    ) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...

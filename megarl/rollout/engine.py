@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from megarl.rollout.types import (
     BadRequestError,
@@ -118,6 +119,16 @@ class RolloutEngine(abc.ABC):
             self._aborted.discard(rid)
             self._slots.release()
 
+    async def continue_sample(
+        self,
+        prompt_ids: Sequence[int],
+        prefix: Sample,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Sample:
+        """``prefix`` continued to the end on this engine (``continue_from_prefix``)."""
+        return await continue_from_prefix(self, prompt_ids, prefix, sampling, request_id)
+
     def _aborted_result(self, req: GenerateRequest) -> GenerateResult:
         return GenerateResult(
             prompt_ids=list(req.prompt_ids),
@@ -202,3 +213,40 @@ class RolloutEngine(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, version={self.weight_version!r})"
+
+
+async def continue_from_prefix(
+    engine: Any,
+    prompt_ids: Sequence[int],
+    prefix: Sample,
+    sampling: SamplingParams | None = None,
+    request_id: str | None = None,
+) -> Sample:
+    """``prefix`` (a sample of ``prompt_ids`` that stopped at its length limit) continued to the end
+    through ``engine.generate`` (any engine, or a wrapper of one): one request whose prompt is
+    ``prompt_ids + prefix.token_ids`` (re-prefilled, never re-sampled), for at most
+    ``sampling.max_new_tokens`` more tokens. The returned sample's tokens and logprobs are the
+    prefix's, unchanged, followed by the continuation's; its finish reason and routed experts (over
+    the whole sequence) are the continuation's; when the two parts carry different weight versions
+    it keeps the prefix's (the oldest) and sets ``meta["mixed"]``."""
+    name = getattr(engine, "name", "engine")
+    if len(prefix.token_ids) != len(prefix.logprobs):
+        raise BadRequestError(
+            f"{name}: prefix has {len(prefix.token_ids)} tokens and {len(prefix.logprobs)} logprobs"
+        )
+    if not prefix.token_ids:
+        raise BadRequestError(f"{name}: a continuation needs a prefix of at least one token")
+    res = await engine.generate(
+        list(prompt_ids) + list(prefix.token_ids), n=1, sampling=sampling, request_id=request_id
+    )
+    tail = res.samples[0]
+    mixed = prefix.weight_version is not None and tail.weight_version != prefix.weight_version
+    return Sample(
+        token_ids=list(prefix.token_ids) + list(tail.token_ids),
+        logprobs=list(prefix.logprobs) + list(tail.logprobs),
+        finish_reason=tail.finish_reason,
+        weight_version=prefix.weight_version if mixed else tail.weight_version,
+        stop_reason=tail.stop_reason,
+        routed_experts=tail.routed_experts,
+        meta={**tail.meta, "mixed": mixed or bool(tail.meta.get("mixed") or prefix.meta.get("mixed"))},
+    )

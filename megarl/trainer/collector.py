@@ -2,7 +2,8 @@
 
 One ``RolloutCollector`` per run on rank 0. ``await collect(step)`` builds the groups of one step:
 the allocator decides how many prompts each round samples and which groups stay (a streaming
-allocator instead decides per prompt as samples land: megarl/trainer/streaming.py; a
+allocator instead decides per prompt as samples land: megarl/trainer/streaming.py; a prefix
+allocator continues only chosen short prefixes: megarl/trainer/prefix_rounds.py; a
 ``PromptChooser`` picks the prompts itself instead of the shuffled sampler); the workflow
 turns each prompt into ``n`` trajectories through the engine; the run's reward functions score
 them; the round processors (reward shaping, judges, method scores) run in order. The synchronous
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megarl.plugin.allocation import GroupOutcome, PromptChooser
+from megarl.plugin.allocation import GroupOutcome, PrefixAllocator, PromptChooser
 from megarl.plugin.rounds import RolloutRound
 from megarl.trainer.allocation import StreamingAllocator
 from megarl.trainer.rollouts import CollectedBatch, GroupRecord, SampleRecord
@@ -118,6 +119,10 @@ class RolloutCollector:
 
     async def collect(self, step: int) -> CollectedBatch:
         """The kept groups of ``step`` and the step's rollout statistics."""
+        if isinstance(self.allocator, PrefixAllocator):
+            from megarl.trainer.prefix_rounds import PrefixScheduler
+
+            return await PrefixScheduler(self, self.allocator).collect(step)
         if isinstance(self.allocator, StreamingAllocator):
             from megarl.trainer.streaming import StreamingScheduler
 

@@ -74,6 +74,8 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "agon": {"method": {"verdict": "reward"}},
     # room for the 4 groups of the smoke's 2 mini-batches x 2 replicas after abandoned prompts
     "sara": {"method": {"budget_samples": 64}},
+    # more of each prompt's 4 prefixes kept: groups of >= 2 for the 2 mini-batches x 2 replicas
+    "pair": {"method": {"budget_frac": 0.75}},
     # the smoke's run directory is shared: replay what examples/methods/regen.yaml (run before it) wrote
     "regen-replay": {"method": {"replay_in": "replay"}},
 }

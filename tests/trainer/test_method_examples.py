@@ -97,6 +97,9 @@ def check_signal(name: str, r: dict) -> None:
     if name == "sara":  # streaming allocation: per-prompt decisions, history checkpointed
         assert st["method"]["allocator"] == ["history", "mu", "totals"], st
         assert len(_any(r, "alloc/prompts_opened")) == STEPS and len(_any(r, "budget/samples")) == STEPS
+    if name == "pair":  # prefix-then-continue: prefixes and continuations counted, predictor checkpointed
+        assert st["method"]["allocator"] == ["cont_len", "history", "totals", "weights"], st
+        assert len(_any(r, "alloc/continuation_tokens")) == STEPS and len(_any(r, "pair/kept_frac")) == STEPS
     if name == "gepo":
         assert st["method"]["inputs"] == ["estimator"], st  # the entropy history is checkpointed
         assert _any(r, "adv/gepo_h_mean") and _any(r, "rollout/entropy_old")

@@ -6,6 +6,7 @@ Importing this package registers the family's allocators and parts.
 
 from megarl.methods.allocation import (
     pac,  # noqa: F401
+    pair,  # noqa: F401
     sara,  # noqa: F401
     specroll,  # noqa: F401
 )

@@ -1,0 +1,78 @@
+"""Continuing a sample from its prefix (``RolloutEngine.continue_sample`` /
+``continue_from_prefix``) on the real embedded engine: the prefix's tokens and logprobs come back
+unchanged, the continuation is sampled given the prefix (its logprobs are the teacher-forced ones of
+the whole sequence), and bad prefixes are refused."""
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from megarl.rollout.embedded import EmbeddedEngine, hf_model_from_config, teacher_forced_logprobs
+from megarl.rollout.engine import continue_from_prefix
+from megarl.rollout.types import BadRequestError, Sample, SamplingParams
+
+HF = dict(
+    model_type="qwen3",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    vocab_size=40,
+    eos_token_id=1,
+)
+PROMPT = [5, 9, 12, 7]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.manual_seed(0)
+    return EmbeddedEngine(hf_model_from_config(HF), eos_token_ids=[1])
+
+
+def test_prefix_tokens_and_logprobs_are_unchanged_and_the_tail_is_conditional(engine):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True, seed=11)
+
+    async def go():
+        prefixes = (await engine.generate(PROMPT, n=3, sampling=sp)).samples
+        tails = [dataclasses.replace(sp, max_new_tokens=5, seed=12 + i) for i in range(3)]
+        return prefixes, [await engine.continue_sample(PROMPT, s, t) for s, t in zip(prefixes, tails)]
+
+    prefixes, full = asyncio.run(go())
+    for pre, s in zip(prefixes, full):
+        assert pre.finish_reason == "length" and len(pre.token_ids) == 3
+        assert s.token_ids[:3] == pre.token_ids and s.logprobs[:3] == pre.logprobs  # bit for bit
+        assert len(s.token_ids) == 8 and len(s.logprobs) == 8 and s.finish_reason == "length"
+        ref = teacher_forced_logprobs(engine.model, PROMPT, s.token_ids)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-5)
+        assert s.weight_version == "0" and s.meta["mixed"] is False
+    assert len({tuple(s.token_ids[3:]) for s in full}) > 1
+
+
+def test_a_continuation_across_a_weight_version_keeps_the_oldest_and_is_mixed(engine):
+    pre = Sample(token_ids=[3, 4], logprobs=[-1.0, -2.0], finish_reason="length", weight_version="0")
+    engine.weight_version = "1"
+    try:
+        s = asyncio.run(
+            continue_from_prefix(
+                engine, PROMPT, pre, SamplingParams(max_new_tokens=2, ignore_eos=True, seed=1)
+            )
+        )
+    finally:
+        engine.weight_version = "0"
+    assert s.token_ids[:2] == [3, 4] and s.logprobs[:2] == [-1.0, -2.0]
+    assert s.weight_version == "0" and s.meta["mixed"] is True
+
+
+def test_bad_prefixes_are_refused(engine):
+    with pytest.raises(BadRequestError, match="prefix has 2 tokens and 1 logprobs"):
+        asyncio.run(engine.continue_sample(PROMPT, Sample([3, 4], [-1.0], "length")))
+    with pytest.raises(BadRequestError, match="needs a prefix of at least one token"):
+        asyncio.run(engine.continue_sample(PROMPT, Sample([], [], "length")))
