@@ -164,6 +164,14 @@ def check_signal(name: str, r: dict) -> None:
         assert st["method"]["step_hooks"] == [[]], st
         if name == "bpco-privileged":  # the critic read the answers (3 digits) after each prompt
             assert _any(r, "critic/context_len") == [3.0] * STEPS and "CriticContext" in st["method"], st
+    elif name in ("comppo", "sapo"):  # the head on the policy's trunk filled the values and trained
+        assert len(_any(r, "critic/value_loss")) == STEPS, r["steps"]
+        assert st["method"]["step_hooks"] == [["head", "optim"]], st  # the head and its Adam state
+        if name == "comppo":  # the attention concentration reached the gate: inside (0, 1), not constant
+            kappa, spread = _any(r, "comp/kappa_mean"), _any(r, "comp/kappa_std")
+            assert all(0.0 < k < 1.0 for k in kappa) and min(spread) > 0, (kappa, spread)
+        else:  # the SARSA auxiliary trained the head at the action boundaries
+            assert len(_any(r, "critic/sarsa_loss")) == STEPS, r["steps"]
     elif name == "gupo":  # the sketch pass weighted the groups every step (mean 1: min <= 1 <= max)
         lo, hi = _any(r, "gupo/weight_min"), _any(r, "gupo/weight_max")
         assert len(lo) == STEPS and all(a <= 1 + 1e-9 <= b + 2e-9 for a, b in zip(lo, hi)), (lo, hi)
