@@ -18,8 +18,9 @@ import reference.agents as ref
 from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.advantages.estimators import grpo, per_token
 from megarl.batch import from_sequences
-from megarl.methods.agents.privileged_gap import ContextLogprobs
-from megarl.methods.agents.reflectrl import LOGPROBS, ON, reflectrl_loss
+from megarl.methods.agents.context_teacher import ContextTeacher
+from megarl.methods.agents.reflectrl import LOGPROBS, reflectrl_loss
+from megarl.methods.distillation.self_teacher import ON
 from megarl.objectives.policy_losses import ppo
 from megarl.objectives.rl_objective import ObjectiveConfig
 from megarl.rollout.reflect import CONTEXT, ROLE, ReflectWorkflow
@@ -54,7 +55,7 @@ def test_advantages_and_loss_match_reference_tp_dp_micro(case, layout, scale, da
         data.draw(st.lists(st.sampled_from([0, 1, 2]), min_size=b.num_seqs, max_size=b.num_seqs))
     )
     b.extras = {ROLE: role.double()}
-    b.token_extras[LOGPROBS] = b.teacher_logprobs.clone()
+    b.self_teacher_logprobs = b.teacher_logprobs.clone()
     adv = ADVANTAGE_ESTIMATORS.get("reflectrl")(b, scale_by_std=scale)
     want = ref.reflectrl_advantages(b.rewards, b.group_ids, role, scale_by_std=scale)
     torch.testing.assert_close(adv, per_token(b, want), rtol=1e-12, atol=1e-12)
@@ -100,7 +101,7 @@ def test_no_golden_negative_is_grpo_and_w_one_is_on_policy_ppo():
     args = (logp, b.old_logprobs, adv, b.loss_mask, b.cu_seqlens)
     assert torch.equal(reflectrl_loss(*args, batch=b), ppo(*args))
     b = _batch([0, 1, 1, 2])  # a transfer copy whose context changes nothing: w = π/π_old
-    b.token_extras[LOGPROBS] = b.old_logprobs.clone()
+    b.self_teacher_logprobs = b.old_logprobs.clone()
     adv = ADVANTAGE_ESTIMATORS.get("reflectrl")(b)
     assert float(adv[b.extras[ROLE].repeat_interleave(b.seq_lens) == 2].min()) >= 0  # only successes transfer
     args = (logp, b.old_logprobs, adv, b.loss_mask, b.cu_seqlens)
@@ -161,10 +162,10 @@ def test_transfer_copies_read_with_their_context_equal_the_reflective_sequence(t
     nan = float("nan")
     b.extras[CONTEXT] = torch.tensor([[nan] * 3, [float(t) for t in ctx]], dtype=torch.float64)
     model = TinyCausalLM()
-    ContextLogprobs(model, CONTEXT, LOGPROBS, ON).fill(b, 1)
+    ContextTeacher(model, CONTEXT, LOGPROBS).fill(b, 1)
     own, _ = model.compute_logprobs(b)
     assert b.extras[ON].tolist() == [0.0, 1.0]
-    torch.testing.assert_close(b.token_extras[LOGPROBS][-2:], own[5:7].double(), rtol=0, atol=1e-6)  # float32
+    torch.testing.assert_close(b.self_teacher_logprobs[-2:], own[5:7].float(), rtol=0, atol=1e-6)
 
 
 def test_example_and_errors_are_named(tmp_path):
@@ -174,7 +175,7 @@ def test_example_and_errors_are_named(tmp_path):
         ADVANTAGE_ESTIMATORS.get("reflectrl")(from_sequences([[1]], [[2]], [0], rewards=[1.0]))
     b = _batch([0, 1, 1, 2])
     adv = ADVANTAGE_ESTIMATORS.get("reflectrl")(b)
-    with pytest.raises(ValueError, match="token_extras\\['reflect_logprobs'\\]"):
+    with pytest.raises(ValueError, match="the reflect_logprobs input"):
         reflectrl_loss(b.old_logprobs, b.old_logprobs, adv, b.loss_mask, b.cu_seqlens, batch=b)
     with pytest.raises(ValueError, match="line 2: field 'trajectory'"):
         _workflow(tmp_path, [{"prompt": "a", "trajectory": "1"}, {"prompt": "b"}])

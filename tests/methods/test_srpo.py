@@ -16,8 +16,9 @@ import reference.agents as ref
 from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.advantages.estimators import grpo, per_token
 from megarl.batch import from_sequences, unpack
-from megarl.methods.agents.privileged_gap import ContextLogprobs
-from megarl.methods.agents.srpo import LOGPROBS, ON, PATCH, PatchKnobs, ReflectionPatch
+from megarl.methods.agents.context_teacher import ContextTeacher
+from megarl.methods.agents.srpo import LOGPROBS, PATCH, PatchKnobs, ReflectionPatch
+from megarl.methods.distillation.self_teacher import ON
 from megarl.objectives.rl_objective import ObjectiveConfig
 from megarl.plugin.knobs import build_knobs
 from megarl.plugin.rounds import RolloutRound
@@ -48,7 +49,7 @@ CFGS = st.sampled_from([ObjectiveConfig("ppo", aggregation=a) for a in ("token-m
 def test_advantages_and_loss_match_reference_tp_dp_micro(case, knobs, layout, data):
     b = case.batch
     on = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b.num_seqs, max_size=b.num_seqs)))
-    b.token_extras[LOGPROBS] = b.teacher_logprobs.clone()
+    b.self_teacher_logprobs = b.teacher_logprobs.clone()
     b.extras = {ON: on.double()}
     adv = ADVANTAGE_ESTIMATORS.get("srpo")(b, **knobs)
     p = unpack(b)
@@ -79,7 +80,7 @@ def _batch():
 
 def test_empty_patch_is_grpo_and_the_teacher_path_has_no_gradient():
     b = _batch()
-    b.token_extras[LOGPROBS] = torch.full((b.num_tokens,), -0.3, dtype=torch.float64, requires_grad=True)
+    b.self_teacher_logprobs = torch.full((b.num_tokens,), -0.3, dtype=torch.float64, requires_grad=True)
     b.extras[ON] = torch.zeros(b.num_seqs, dtype=torch.float64)  # no sample got a patch
     adv = ADVANTAGE_ESTIMATORS.get("srpo")(b)
     assert torch.equal(adv, per_token(b, grpo(b.rewards.double(), b.group_ids)))
@@ -99,18 +100,18 @@ def test_the_patch_is_read_only_by_the_privileged_forward():
     )
     tokens_before = b.tokens.clone()
     model = TinyCausalLM()
-    ContextLogprobs(model, PATCH, LOGPROBS, ON).fill(b, 2)
+    ContextTeacher(model, PATCH, LOGPROBS).fill(b, 2)
     assert torch.equal(b.tokens, tokens_before)  # the trained sequences hold no patch token
     assert b.extras[ON].tolist() == [1.0, 0.0, 1.0, 1.0]
     cu = b.cu_seqlens.tolist()
     for i, x in enumerate(patches):
-        got = b.token_extras[LOGPROBS][cu[i] : cu[i + 1]]
+        got = b.self_teacher_logprobs[cu[i] : cu[i + 1]]
         if not x:
             assert bool((got == 0).all())
             continue
         seq, p = b.tokens[cu[i] : cu[i + 1]].tolist(), int(b.prompt_lens[i])
         full = model.logprobs(seq[:p] + x + seq[p:])
-        torch.testing.assert_close(got, torch.cat([full[:p], full[p + len(x) :]]).double(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, torch.cat([full[:p], full[p + len(x) :]]).float(), rtol=0, atol=1e-6)
 
 
 def _round(tok, texts, correct):

@@ -10,7 +10,8 @@ Parts:
   ``extras['reflect_role']`` (0/1/2) and ``extras['reflect_context']``;
 - ``reflect_logprobs`` (learner input): log π_θ(y_t | T, y_<t) of the transfer copies, the policy
   reading each with its reflection context after the prompt again (one extra forward of the copies
-  only; stop-gradient), in ``token_extras['reflect_logprobs']``;
+  only; stop-gradient; the context teacher of megarl/methods/agents/context_teacher.py), in
+  ``batch.self_teacher_logprobs``;
 - the ``reflectrl`` advantage estimator: GRPO within each group's direct samples and within its
   reflective samples; a transfer copy gets its reflective twin's advantage when positive, else 0;
 - the ``reflectrl`` policy loss: PPO clip on direct and reflective tokens; on transfer tokens
@@ -26,7 +27,7 @@ import torch
 
 from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, per_token, scalar_rewards
 from megarl.batch import PackedBatch
-from megarl.methods.agents.privileged_gap import ContextLogprobs
+from megarl.methods.agents.context_teacher import ContextTeacher
 from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
 from megarl.plugin.inputs import InputProvider, register_provider
 from megarl.plugin.spec import MethodSpec
@@ -34,7 +35,6 @@ from megarl.registry import PartInfo
 from megarl.rollout.reflect import CONTEXT, REFLECTIVE, ROLE, TRANSFER
 
 LOGPROBS = "reflect_logprobs"
-ON = "reflect_on"
 
 
 def roles(batch: PackedBatch) -> torch.Tensor:
@@ -100,9 +100,11 @@ def reflectrl_loss(
     tokens r2d_coef x PPO clip against the reflective-context logprobs (stop-gradient)."""
     transfer = (roles(batch) == TRANSFER).repeat_interleave(batch.seq_lens)
     if bool(transfer.any()):
-        refl = batch.token_extras.get(LOGPROBS)
+        refl = batch.self_teacher_logprobs
         if refl is None:
-            raise ValueError(f"policy_loss=reflectrl needs token_extras['{LOGPROBS}'] (the {LOGPROBS} input)")
+            raise ValueError(
+                f"policy_loss=reflectrl needs the {LOGPROBS} input (batch.self_teacher_logprobs)"
+            )
         old_logp = torch.where(transfer, refl.detach().to(logp.dtype), old_logp)
     loss = ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low, clip_high, dual_clip)
     return torch.where(transfer, r2d_coef * loss, loss)
@@ -114,7 +116,7 @@ register_provider(
     InputProvider(
         (LOGPROBS,),
         "learner",
-        lambda ctx, names: ContextLogprobs(ctx.policy, CONTEXT, LOGPROBS, ON),
+        lambda ctx, names: ContextTeacher(ctx.policy, CONTEXT, LOGPROBS),
         summary="the policy's logprobs of each transfer copy with its reflection context after the prompt "
         "(the 'reflect' workflow's rows; one extra forward of the copies)",
     )

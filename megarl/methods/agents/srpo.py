@@ -13,8 +13,9 @@ Parts:
   ``{feedback}`` and ``{answer}`` instead (a templated stand-in for a model that cannot reflect
   yet). ``when: incorrect`` gives patches to wrong samples only (the others get none: ℓ = 0).
 - ``reflection_logprobs`` (learner input, every rank): the policy's logprobs of each rollout with
-  its patch after the prompt, one extra forward (``token_extras['reflection_logprobs']``,
-  ``extras['reflection_on']``).
+  its patch after the prompt, one extra forward of the patched sequences (the context teacher of
+  megarl/methods/agents/context_teacher.py: ``batch.self_teacher_logprobs``,
+  ``extras['self_teacher_on']``).
 - the ``srpo`` advantage estimator: A_t = A^GRPO + coef · clip(ℓ_t), ℓ_t = reflection_logprobs −
   old_logprobs (stop-gradient), then the objective's PPO clip.
 """
@@ -30,7 +31,9 @@ import torch
 
 from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, per_token, scalar_rewards
 from megarl.batch import PackedBatch
-from megarl.methods.agents.privileged_gap import ContextLogprobs, context_ids_row, eos_id, token_gap
+from megarl.methods.agents.context_teacher import ContextTeacher
+from megarl.methods.agents.privileged_gap import context_ids_row, eos_id, token_gap
+from megarl.methods.distillation.self_teacher import ON
 from megarl.plugin.inputs import InputProvider, register_provider
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.rounds import RolloutRound, RoundResult
@@ -40,7 +43,6 @@ from megarl.rollout.tool_env import encode_observation
 
 PATCH = "reflection_patch"
 LOGPROBS = "reflection_logprobs"
-ON = "reflection_on"
 MODES = ("generate", "template")
 
 
@@ -158,7 +160,7 @@ register_provider(
     InputProvider(
         (LOGPROBS,),
         "learner",
-        lambda ctx, names: ContextLogprobs(ctx.policy, PATCH, LOGPROBS, ON, (PATCH,)),
+        lambda ctx, names: ContextTeacher(ctx.policy, PATCH, LOGPROBS, (PATCH,)),
         summary="the policy's logprobs of each rollout with its reflection patch after the prompt "
         "(one extra forward)",
     )
@@ -168,9 +170,7 @@ register_provider(
 def srpo_gap(batch: PackedBatch, gap_clip: float = 2.0) -> torch.Tensor:
     """[T] ℓ_t = reflection_logprobs − old_logprobs on loss tokens of patched samples (0 elsewhere),
     clipped to [−gap_clip, gap_clip] when gap_clip > 0."""
-    gap = token_gap(
-        batch, batch.token_extras.get(LOGPROBS), batch.extras.get(ON), f"token_extras['{LOGPROBS}']"
-    )
+    gap = token_gap(batch, batch.self_teacher_logprobs, batch.extras.get(ON), f"the {LOGPROBS} input")
     return gap.clamp(-gap_clip, gap_clip) if gap_clip > 0 else gap
 
 
