@@ -387,8 +387,14 @@ class Learner:
         objective: Objective,
         num_micro_batches: int = 1,
         normalisers: GlobalNormalisers | None = None,
+        old_from_forward: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on this rank's ``batch`` (its DP shard of the global batch).
+
+        ``old_from_forward``: the update is exactly on-policy, so the objective takes the old
+        logprobs from this step's forward, detached (``LossContext.old_is_current``), instead of
+        ``batch.old_logprobs`` from a second pass; the objective must declare
+        ``current_old_logprobs``.
 
         Returns metrics (same on every rank): the objective's metric parts summed over micro-batches
         and DP ranks (so globally normalised), ``loss``, ``grad_norm``, ``grad_clipped``, ``lr``,
@@ -398,6 +404,11 @@ class Learner:
 
         if self.optimizer is None:
             raise RuntimeError("train_step on a forward-only learner (LearnerConfig.trainable=False)")
+        if old_from_forward and not getattr(objective, "current_old_logprobs", False):
+            raise ValueError(
+                f"old_from_forward: {type(objective).__name__} does not take old logprobs from the "
+                "training forward (current_old_logprobs)"
+            )
         g = self.groups
         dp_group = g.dp if g.dp_size > 1 else None
         if hasattr(objective, "prepare"):  # global-batch statistics of stateful parts (RLObjective)
@@ -405,7 +416,11 @@ class Learner:
         norms = normalisers or GlobalNormalisers.from_batch(batch, dp_group)
         tp_group = g.tp if g.layout.tp > 1 else None
         ctx = LossContext(
-            normalisers=norms, tp_group=tp_group, chunk_tokens=self.cfg.chunk_tokens, step=self.step
+            normalisers=norms,
+            tp_group=tp_group,
+            chunk_tokens=self.cfg.chunk_tokens,
+            step=self.step,
+            old_is_current=old_from_forward,
         )
         micro = batch.split(num_micro_batches)
         s = 1.0 / (len(micro) * g.dp_size)

@@ -68,6 +68,10 @@ class LossContext:
     chunk_tokens: int | None = None  # token chunk of the vocab-parallel ops; None: ~2**24 elements
     step: int = 0  # optimizer step (for schedules inside objectives)
     teacher_logits: torch.Tensor | None = None  # [T, V/tp], same sharding, for full-vocab distillation
+    # an exactly on-policy update (one optimizer step on weights unchanged since the batch's old
+    # logprobs would be computed): the old logprobs are this forward's, detached, instead of a
+    # second forward pass; objectives that support it declare ``current_old_logprobs = True``
+    old_is_current: bool = False
 
 
 def micro_batch_context(ctx: LossContext, mb: PackedBatch, device: Any = None) -> LossContext:

@@ -30,6 +30,8 @@ __all__ = ["CLIP_KNOBS", "ObjectiveConfig", "RLObjective", "build_objective", "r
 class RLObjective:
     """``objective(logits [T, V/tp], batch, ctx) -> LossOutput``; see megarl/objectives/api.py."""
 
+    current_old_logprobs = True  # honours LossContext.old_is_current
+
     def __init__(self, cfg: ObjectiveConfig):
         self.cfg = cfg.validate()
         self.clip = resolved_clip(cfg)
@@ -77,7 +79,7 @@ class RLObjective:
             logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens, with_entropy=want_entropy
         )
         mask, cu = batch.loss_mask.to(logp.dtype), batch.cu_seqlens
-        old = _first_present(batch.old_logprobs, batch.rollout_logprobs)
+        old = None if ctx.old_is_current else _first_present(batch.old_logprobs, batch.rollout_logprobs)
         old = logp.detach() if old is None else old.to(logp.dtype)
         adv = batch.advantages
         if adv is None:
@@ -97,6 +99,8 @@ class RLObjective:
             for k, v in token_metrics(logp.detach(), old, adv, mask, cu, **extra).items():
                 metrics[f"{cfg.policy_loss}/{k}"] = _token_mean(v, mask, norm)
         if cfg.correction != "none":
+            if ctx.old_is_current:
+                raise ValueError(f"correction={cfg.correction!r} needs recomputed 'old_logprobs'")
             if batch.rollout_logprobs is None or batch.old_logprobs is None:
                 raise ValueError(f"correction={cfg.correction!r} needs 'old_logprobs' and 'rollout_logprobs'")
             c = CORRECTIONS.get(cfg.correction)(
@@ -141,6 +145,9 @@ class RLObjective:
         if batch.rollout_logprobs is not None:
             gap = (logp.detach() - batch.rollout_logprobs.to(logp.dtype)).abs()
             metrics["train_rollout_logprob_gap"] = _token_mean(gap, mask, norm)
+        if ctx.old_is_current and batch.ref_logprobs is not None:  # the old-vs-reference KL, here
+            kl_old = logp.detach() - batch.ref_logprobs.to(logp.dtype)
+            metrics["kl_old_ref"] = _token_mean(kl_old, mask, norm)
         metrics["loss"] = loss.detach()
         return LossOutput(loss=loss, metrics=metrics)
 

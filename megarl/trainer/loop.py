@@ -33,7 +33,7 @@ from megarl.trainer.live_progress import StepDisplay
 from megarl.trainer.rollouts import Rollouts, build_batch, rollouts_from_groups
 from megarl.trainer.run import Run
 from megarl.trainer.setup import log
-from megarl.trainer.step_metrics import batch_metrics, rollout_metrics
+from megarl.trainer.step_metrics import batch_metrics, current_old_metrics, rollout_metrics
 
 
 def mini_batch_bounds(num_groups: int, mini_batches: int, dp: int) -> list[int]:
@@ -204,6 +204,8 @@ class Trainer:
         if ro is not None:
             rec.update(rollout_metrics(run, ro, rstats))
         rec.update(batch_metrics(batch))
+        if run.method.old_from_forward:  # the old logprobs were the training forward's
+            rec.update(current_old_metrics(rec))
         train_tokens = batch.num_tokens * cfg.schedule.ppo_epochs
         rec.update(
             {
@@ -237,7 +239,9 @@ class Trainer:
                 norms = GlobalNormalisers.from_batch(local, run.dp_group(), self.cfg.rollout.max_new_tokens)
                 micro = max(1, min(s.micro_batches, local.num_seqs))
                 local = run.faults.before_train(step, local, run.objective, micro, norms)
-                out.append(run.learner.train_step(local, run.objective, micro, norms))
+                out.append(
+                    run.learner.train_step(local, run.objective, micro, norms, run.method.old_from_forward)
+                )
                 run.faults.after_train(step, out[-1])
         return out
 

@@ -73,6 +73,35 @@ def check_inputs_section(cfg: Any) -> None:
         provider_knobs(cfg, provider_for(name, f"inputs.{name}"))
 
 
+def _own_part(obj: Any) -> bool:
+    """Whether ``obj`` (a registered function or a provider's build) is defined in megarl's core
+    packages, whose reads of the batch are known, rather than in ``megarl.methods``."""
+    module = getattr(obj, "__module__", "") or ""
+    return module.startswith("megarl.") and not module.startswith("megarl.methods")
+
+
+def old_logprobs_from_forward(cfg: Any, inputs: dict[str, str], spec: Any = None) -> bool:
+    """Whether the PPO ratio's old logprobs can be the training forward's, detached, instead of a
+    second forward pass before the update (``schedule.old_logprobs: recompute``): exactly one
+    optimizer step per batch (one epoch, one mini-batch), so the weights of that forward are the
+    ones a recomputation would use; no part reads the old logprobs before the update (none
+    declares them, no rollout correction, no estimator KL term, no method spec and only core
+    parts: a method's parts may read them without declaring). Loss and gradient are the same."""
+    s, o = cfg.schedule, cfg.objective
+    if s.old_logprobs != "recompute" or s.ppo_epochs != 1 or s.mini_batches != 1:
+        return False
+    if spec is not None or "old_logprobs" in inputs or o.correction != "none":
+        return False
+    if cfg.advantage.knobs.get("kl_coef"):  # an estimator's reward KL uses the old logprobs
+        return False
+    parts = [ADVANTAGE_ESTIMATORS.get(cfg.advantage.estimator), POLICY_LOSSES.get(o.policy_loss)]
+    parts += [REGULARISERS.get(r["name"]) for r in o.regularisers]
+    if o.distill != "none":
+        parts.append(DISTILLATION.get(o.distill))
+    parts += [p.build for p, _ in _providers(inputs)]
+    return all(_own_part(p) for p in parts)
+
+
 class AdvantageStage:
     """The configured estimator with its knobs and state (e.g. an entropy history), made once per run."""
 
@@ -107,6 +136,7 @@ class MethodRuntime:
     round_processors: list = field(default_factory=list)
     step_hooks: list = field(default_factory=list)
     allocator: Any = None  # the method's rollout allocator (rank 0), None: the configured one
+    old_from_forward: bool = False  # old logprobs from the training forward (old_logprobs_from_forward)
     batch_source: Any = None  # the method's BatchSource (every rank), None: train on rollouts
 
     # ------------------------------------------------------------------ building
@@ -116,9 +146,10 @@ class MethodRuntime:
         cfg = ctx.cfg
         inputs = required_inputs(cfg, spec)
         wanted = dict(inputs)
-        if cfg.schedule.old_logprobs == "recompute":
-            wanted = {"old_logprobs": "schedule.old_logprobs=recompute", **wanted}
         rt = MethodRuntime(inputs=inputs, advantages=AdvantageStage(cfg))
+        rt.old_from_forward = old_logprobs_from_forward(cfg, inputs, spec)
+        if cfg.schedule.old_logprobs == "recompute" and not rt.old_from_forward:
+            wanted = {"old_logprobs": "schedule.old_logprobs=recompute", **wanted}
         for provider, names in _providers(wanted):
             if provider.stage == "round":
                 continue
@@ -128,6 +159,10 @@ class MethodRuntime:
                 rt.step_hooks.append(built)
             for n in getattr(built, "needs_inputs", ()):  # round inputs it reads (built in phase 2)
                 rt.inputs.setdefault(n, f"inputs.{provider.provides[0]}")
+        if rt.old_from_forward and rt.step_hooks:  # a hook may change the batch before the update
+            rt.old_from_forward = False
+            provider = provider_for("old_logprobs", "schedule.old_logprobs=recompute")
+            rt.learner_passes.insert(0, provider.build(ctx, frozenset({"old_logprobs"})))
         return rt
 
     def build_rank0_side(self, ctx: Any, spec: Any = None, method_knobs: Any = None) -> None:

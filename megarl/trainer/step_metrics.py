@@ -102,6 +102,17 @@ def batch_metrics(batch) -> dict:
     return rec
 
 
+def current_old_metrics(rec: dict) -> dict:
+    """The old-vs-rollout gap and old-vs-reference KL of a step whose old logprobs were the
+    training forward's (one optimizer step): the objective's ``train/`` figures of that forward."""
+    out = {}
+    if "train/train_rollout_logprob_gap" in rec:
+        out["rollout/logprob_gap_old"] = rec["train/train_rollout_logprob_gap"]
+    if "train/kl_old_ref" in rec:
+        out["rollout/kl_old_ref"] = rec["train/kl_old_ref"]
+    return out
+
+
 def print_summary(run: Any) -> None:
     """Rank 0 at the end: the reward curve's path and the held-out numbers first vs last."""
     if run.cfg.logging.plot:

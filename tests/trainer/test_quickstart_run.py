@@ -106,7 +106,11 @@ def test_short_run_writes_its_outputs(reference_run):
         # the engine generated with exactly the learner's weights: same logprobs on both sides
         assert r["rollout/logprob_gap_old"] < 1e-4, r["rollout/logprob_gap_old"]
     assert m[1]["rollout/kl_old_ref"] == 0.0  # first step: policy == reference
-    assert m[3]["rollout/kl_old_ref"] != 0.0  # the policy moved
+    # the policy moved away from the reference exactly when an update had a gradient: with every
+    # reward 0 (a tiny model early on) the KL term's gradient at policy == reference is 0, unless
+    # the two forwards differ in rounding (they may: a different packing of the same tokens)
+    moved = any(m[s]["train/grad_norm"] > 0.0 for s in (1, 2))
+    assert (m[3]["rollout/kl_old_ref"] != 0.0) == moved, [m[s]["train/grad_norm"] for s in (1, 2)]
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000003"]
     assert "step    3/3" in stdout and "held-out pass@1:" in stdout
