@@ -181,3 +181,30 @@ def test_example_and_errors_are_named(tmp_path):
         _workflow(tmp_path, [{"prompt": "a", "trajectory": "1"}, {"prompt": "b"}])
     with pytest.raises(ValueError, match="reflect_frac=2"):
         _workflow(tmp_path, [], frac=2.0)
+
+
+def test_role_rewards_report_the_reflection_advantage():
+    from megarl.methods.agents.reflectrl import RoleRewards
+    from megarl.plugin.rounds import RolloutRound
+
+    r = RolloutRound(
+        ["q"],
+        ["1"],
+        [0],
+        [[1]],
+        [[2]] * 4,
+        ["0", "1", "1", "1"],
+        {},
+        torch.tensor([0.0, 1.0, 1.0, 1.0]),
+        4,
+        1,
+        0,
+    )
+    r.extras = {ROLE: [0.0, 0.0, 1.0, 2.0]}
+    out = asyncio.run(RoleRewards().process(r))
+    assert out.metrics == {
+        "reflectrl/reflective_frac": 0.25,
+        "reflectrl/reward_direct": 0.5,
+        "reflectrl/reward_reflective": 1.0,
+    }
+    assert out.scalar is None and out.extras == {}

@@ -15,13 +15,16 @@ Parts:
 - the ``reflectrl`` advantage estimator: GRPO within each group's direct samples and within its
   reflective samples; a transfer copy gets its reflective twin's advantage when positive, else 0;
 - the ``reflectrl`` policy loss: PPO clip on direct and reflective tokens; on transfer tokens
-  r2d_coef x PPO clip of w_t = π_θ(y_t | x, y_<t) / sg(π_θ(y_t | T, y_<t)).
+  r2d_coef x PPO clip of w_t = π_θ(y_t | x, y_<t) / sg(π_θ(y_t | T, y_<t));
+- a round processor reporting the mean reward of direct and of reflective samples.
 
 With no golden negatives (no ``environment.trajectories``, or every trajectory correct) every
 sample is direct: GRPO with PPO clip, exactly.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -30,9 +33,10 @@ from megarl.batch import PackedBatch
 from megarl.methods.agents.context_teacher import ContextTeacher
 from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
 from megarl.plugin.inputs import InputProvider, register_provider
-from megarl.plugin.spec import MethodSpec
+from megarl.plugin.rounds import RolloutRound, RoundResult
+from megarl.plugin.spec import MethodParts, MethodSpec
 from megarl.registry import PartInfo
-from megarl.rollout.reflect import CONTEXT, REFLECTIVE, ROLE, TRANSFER
+from megarl.rollout.reflect import CONTEXT, DIRECT, REFLECTIVE, ROLE, TRANSFER
 
 LOGPROBS = "reflect_logprobs"
 
@@ -123,6 +127,37 @@ register_provider(
 )
 
 
+class RoleRewards:
+    """A ``RoundProcessor`` (rank 0): the round's mean reward per role, ``reflectrl/reward_direct``
+    and ``reflectrl/reward_reflective`` (the reflection advantage is their difference), and the
+    share of reflective samples. Stateless; changes nothing."""
+
+    async def process(self, r: RolloutRound) -> RoundResult:
+        """Metrics only."""
+        role = r.extras.get(ROLE)
+        if role is None:
+            return RoundResult()
+        role_t = torch.as_tensor(role).round().long()
+        out = {"reflectrl/reflective_frac": float((role_t == REFLECTIVE).double().mean())}
+        for name, k in (("direct", DIRECT), ("reflective", REFLECTIVE)):
+            sel = role_t == k
+            if bool(sel.any()):
+                out[f"reflectrl/reward_{name}"] = float(r.scalar[sel].double().mean())
+        return RoundResult(metrics=out)
+
+    def state_dict(self) -> dict:
+        """Nothing to save."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore."""
+
+
+def build(ctx: Any, knobs: Any) -> MethodParts:
+    """The per-role reward metrics (rank 0)."""
+    return MethodParts(round_processors=[RoleRewards()])
+
+
 SPEC = MethodSpec(
     name="reflectrl",
     summary="ReflectRL: reflective rollouts on golden negative trajectories, transferred to the plain prompt",
@@ -132,4 +167,5 @@ SPEC = MethodSpec(
         "advantage": {"estimator": "reflectrl"},
         "objective": {"policy_loss": "reflectrl", "policy_loss_args": {"r2d_coef": 1.0}},
     },
+    build=build,
 )
