@@ -29,6 +29,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.rollout.tool_env",
     "megarl.rollout.grid_env",
     "megarl.rollout.instructed",
+    "megarl.rollout.review",
     "megarl.rollout.reflect",
 )
 
@@ -91,6 +92,7 @@ METHODS: dict[str, str] = {
     "opdvr": "megarl.methods.distillation.opdvr:OPDVR",
     "grpd": "megarl.methods.distillation.opdvr:GRPD",
     "regen": "megarl.methods.agents.regen:SPEC",
+    "srrl": "megarl.methods.agents.srrl:SPEC",
     "srpo": "megarl.methods.agents.srpo:SPEC",
     "crpo": "megarl.methods.agents.crpo:SPEC",
     "reflectrl": "megarl.methods.agents.reflectrl:SPEC",

@@ -487,3 +487,77 @@ def reflectrl_loss(
     per_tok = torch.maximum(-ratio * a, -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * a)
     per_tok = torch.where(transfer, r2d_coef * per_tok, per_tok)
     return aggregate(per_tok, mask, aggregation)
+
+
+def srrl_review_reward(r1: torch.Tensor, r2: torch.Tensor, reviewed: torch.Tensor) -> torch.Tensor:
+    """SRRL's review reward per sample [B]: R(a_2) − R(a_1) on reviewed samples, 0 elsewhere (0
+    whenever both attempts share an outcome)."""
+    return (r2 - r1) * reviewed.to(r1.dtype)
+
+
+def srrl_advantages(
+    r1: torch.Tensor,
+    r2: torch.Tensor,
+    reviewed: torch.Tensor,
+    group_ids: torch.Tensor,
+    roles: torch.Tensor,
+    mask: torch.Tensor,
+    scale_by_std: bool = True,
+    a2_coef: float = 0.0,
+) -> torch.Tensor:
+    """SRRL per-token advantages [B, L]. roles [B, L]: 1 on a_1's tokens, 2 on the review's, 3 on
+    a_2's, 0 elsewhere.
+
+        A_1,i = GRPO(r_1)_i over the group's first attempts
+        A_c,i = GRPO(d)_i over the group's reviewed samples, d = srrl_review_reward (0 if not reviewed)
+        A_t   = A_1 on a_1, A_c on the review, a2_coef · A_c on a_2
+    """
+    a1 = grpo(r1, group_ids, scale_by_std)
+    ac = torch.zeros_like(a1)
+    rev = reviewed.bool()
+    if bool(rev.any()):
+        ac[rev] = grpo(srrl_review_reward(r1, r2, reviewed)[rev], group_ids[rev], scale_by_std)
+    out = torch.zeros(roles.shape, dtype=a1.dtype)
+    out = torch.where(roles == 1, a1[:, None].expand_as(out), out)
+    out = torch.where(roles == 2, ac[:, None].expand_as(out), out)
+    out = torch.where(roles == 3, a2_coef * ac[:, None].expand_as(out), out)
+    return out * mask.to(out.dtype)
+
+
+def srrl_distill_set(c1: torch.Tensor, c2: torch.Tensor, reviewed: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the fail→success episodes (reviewed, a_1 wrong, a_2 correct)."""
+    return reviewed.bool() & ~c1.bool() & c2.bool()
+
+
+def srrl_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    old_logp: torch.Tensor,
+    sd: torch.Tensor,
+    aggregation: str = "token-mean",
+    sd_coef: float = 1.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> torch.Tensor:
+    """SRRL's batch loss, a scalar. The batch holds the episodes and, for every fail→success
+    episode, the sequence (x, a_2) without the review context (sd [B] = 1 on those):
+
+        loss_t = (1 − sd) · PPO-clip(π_θ/π_old, A_t) + sd · sd_coef · (−log π_θ(a_2,t | x, a_2,<t))
+        loss   = aggregate(loss_t, mask)
+    """
+    logp = _token_logp(logits, tokens)
+    s = sd.to(logp.dtype)[:, None]
+    per_tok = (1 - s) * _ppo_clip(logp, old_logp, adv, clip_low, clip_high) - sd_coef * s * logp
+    from reference.aggregation import aggregate
+
+    return aggregate(per_tok, mask, aggregation)
+
+
+def srrl_memory_top_k(query: torch.Tensor, keys: torch.Tensor, k: int) -> list[int]:
+    """SRRL's memory retrieval: the indices of the k stored embeddings (rows of keys [N, D], unit
+    vectors) with the highest cosine similarity to query [D], ties to the lower index."""
+    sims = keys @ query
+    order = sorted(range(keys.shape[0]), key=lambda i: (-float(sims[i]), i))
+    return order[:k]

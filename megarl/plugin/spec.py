@@ -77,12 +77,15 @@ class MethodParts:
     allocator (an ``Allocator`` or a ``StreamingAllocator``, megarl/plugin/allocation.py; None: the
     one ``sampling`` configures; its state is saved in checkpoints like a round processor's), and a
     ``BatchSource`` (None: the steps train on rollouts; else on its batches, and no rollouts are
-    made for training)."""
+    made for training); ``workflow_parts``: objects the rollout workflow may use (rank 0,
+    ``WorkflowContext.parts``, e.g. a cross-episode memory; one that is also a round processor is
+    checkpointed as one)."""
 
     round_processors: list[Any] = field(default_factory=list)
     step_hooks: list[Any] = field(default_factory=list)
     allocator: Any = None
     batch_source: Any = None
+    workflow_parts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megarl.registry import Registry
@@ -53,13 +53,15 @@ class Trajectory:
 @dataclass
 class WorkflowContext:
     """What a workflow may use: the tokenizer, ``score(text, answer) -> (reward, correct)`` (the
-    run's scalar reward of one answer and the correctness check's verdict), the context length, and
-    the ``environment`` config section."""
+    run's scalar reward of one answer and the correctness check's verdict), the context length,
+    the ``environment`` config section, and ``parts``: objects the run's method gives the workflow
+    (``MethodParts.workflow_parts``, e.g. a cross-episode memory)."""
 
     tokenizer: Any
     score: Callable[[str, str], tuple[float, bool]]
     max_len: int | None
     env: Any
+    parts: dict[str, Any] = field(default_factory=dict)
 
 
 class RolloutWorkflow(Protocol):

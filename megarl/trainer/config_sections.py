@@ -168,14 +168,17 @@ class EnvironmentConfig:
     gets their results as observations until it answers, up to ``max_turns`` turns. ``grid``: a text
     game, one move per turn on a small board with per-turn rewards (docs/agents.md#the-grid-game).
     ``instructed``: each sample is generated with one of ``instructions`` (or none, uniformly)
-    after the prompt; the trained sequence is the plain prompt and the response.
+    after the prompt; the trained sequence is the plain prompt and the response. ``review``: a
+    wrong first answer gets ``feedback``, a self-review turn, ``after_review`` and a second answer
+    (megarl/rollout/review.py).
     ``reflect``: reflective rollouts on reference trajectories (``trajectories``;
     megarl/rollout/reflect.py)."""
 
-    name: str = "none"  # a WORKFLOWS name: none, retry (wrong: one more turn), tools, grid, instructed
+    name: str = "none"  # a WORKFLOWS name: none, retry, tools, grid, instructed, reflect, review (see above)
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
     instructions: list[str] = field(default_factory=list)  # instructed: texts sampled after the prompt
+    after_review: str = " {prompt}"  # review: the observation after the review (template over {prompt})
     trajectories: str | None = None  # reflect: jsonl of {"prompt", "trajectory"} (reference attempts)
     reflect_template: str = "{trajectory}"  # reflect: the context after the prompt ({trajectory})
     reflect_frac: float = 0.5  # reflect: share of a prompt's n samples that reflect (and are copied)

@@ -138,6 +138,7 @@ class MethodRuntime:
     allocator: Any = None  # the method's rollout allocator (rank 0), None: the configured one
     old_from_forward: bool = False  # old logprobs from the training forward (old_logprobs_from_forward)
     batch_source: Any = None  # the method's BatchSource (every rank), None: train on rollouts
+    workflow_parts: dict = field(default_factory=dict)  # what the rollout workflow may use (rank 0)
 
     # ------------------------------------------------------------------ building
     @staticmethod
@@ -183,6 +184,7 @@ class MethodRuntime:
             if ctx.rank0:
                 self.round_processors += parts.round_processors
                 self.allocator = parts.allocator
+                self.workflow_parts = dict(parts.workflow_parts)
             self.step_hooks += parts.step_hooks
             self.batch_source = parts.batch_source
 

@@ -167,6 +167,7 @@ class Run:
             score,
             int(self.hf.get("max_position_embeddings", 0)) or None,
             cfg.environment,
+            parts=self.method.workflow_parts,
         )
         version = (lambda: self.producer.version) if wrap_engine is not None else (lambda: 0)
         self.collector = RolloutCollector(

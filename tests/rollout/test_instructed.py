@@ -149,3 +149,18 @@ def test_samples_with_different_extras_are_refused_by_name():
         sample_extras([g])
     assert sample_extras([GroupRecord(PromptRow("p", "a", "t", "s"), 0, [1], [rec(None)])]) == {}
     assert Trajectory([1], [0.0], "stop", False).extras is None
+
+
+def test_evaluation_reads_the_plain_prompt_without_an_instruction():
+    from types import SimpleNamespace
+
+    from megarl.trainer.evaluation import _generate
+
+    tok = CharTokenizer(ALPHABET)
+    engine = Echo(tok)
+    run = SimpleNamespace(
+        engine=engine, tok=tok, sampling_params=lambda s, r, i, g=False: SamplingParams(seed=i)
+    )
+    rows = [PromptRow(prompt="R 21=", answer="12", task="reverse", source="mem:0")]
+    asyncio.run(_generate(run, rows, 2, step=-1))
+    assert [tok.decode(p) for p, _, _ in engine.requests] == ["R 21="]

@@ -19,6 +19,7 @@ from megarl.methods.agents import (  # noqa: F401
     regen,
     replay,
     srpo,
+    srrl,
     taspo,
     trial,
 )
