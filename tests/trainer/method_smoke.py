@@ -76,6 +76,13 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "sara": {"method": {"budget_samples": 64}},
     # more of each prompt's 4 prefixes kept: groups of >= 2 for the 2 mini-batches x 2 replicas
     "pair": {"method": {"budget_frac": 0.75}},
+    # the smoke policy is never correct in 2 steps: TASPO's bank counts the format check as the
+    # verification, so that step 1's successes are step 2's privileged information
+    "taspo": {
+        "reward": {
+            "functions": [{"name": "correct", "kind": "exact_match"}, {**FORMAT_REWARD, "correct": True}]
+        }
+    },
     # the smoke's run directory is shared: replay what examples/methods/regen.yaml (run before it) wrote
     "regen-replay": {"method": {"replay_in": "replay"}},
 }

@@ -146,6 +146,16 @@ def check_signal(name: str, r: dict) -> None:
         assert min(_any(r, "self_teacher/forwarded_frac")) > 0 and _any(r, "rollout/entropy_old")
     elif name == "reflectrl":  # transfer copies in both steps, read again with their reflection context
         assert min(_any(r, "reflect_logprobs/forwarded_frac")) > 0
+    elif name == "taspo":  # step 1's verified successes are step 2's PI; the bank is checkpointed
+        assert _any(r, "pi_bank/size")[-1] > 0 and _any(r, "pi_logprobs/forwarded_frac")[-1] > 0
+        assert st["method"]["PIBank"] == ["entries"], st
+    elif name == "trial":  # every episode read with its own outcome; the term trains
+        assert (
+            min(_any(r, "hindsight_logprobs/forwarded_frac")) == 1.0
+            and len(_any(r, "train/reg/trial")) == STEPS
+        )
+    elif name == "agent-opsd":  # the self-teacher read the answer on every episode
+        assert min(_any(r, "self_teacher/forwarded_frac")) == 1.0
     elif name == "tide":  # only the TIDE term trains (no policy loss, no KL); its inputs reached it
         assert len(_any(r, "train/reg/tide")) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
     elif name == "bounded-advantages":  # the plugin: its step hook ran and its state is checkpointed
