@@ -76,6 +76,7 @@ METHODS: dict[str, str] = {
     "pac": "megarl.methods.allocation.pac:SPEC",
     "pair": "megarl.methods.allocation.pair:SPEC",
     "specroll": "megarl.methods.allocation.specroll:SPEC",
+    "llmzero": "megarl.methods.allocation.llmzero:SPEC",
     "es": "megarl.methods.gradients.es:SPEC",
     "3po": "megarl.methods.gradients.three_po:SPEC",
     "gupo": "megarl.methods.gradients.gupo:SPEC",

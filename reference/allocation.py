@@ -347,3 +347,103 @@ def pair_design(
 def pair_draw(pi: Sequence[float], u: Sequence[float]) -> list[bool]:
     """Independent (Poisson) inclusion: I_i = [u_i < pi_i] for uniforms ``u``."""
     return [ui < x for ui, x in zip(u, pi)]
+
+
+# ------------------------------------------------------------------------------------ LLMZero
+# Tree search over training-strategy transitions (paper: MCTS over (checkpoint, config) nodes; the
+# bookkeeping below is ours). A node is a dict: id, parent, depth, config (the run's overrides,
+# cumulative from the root), children (ids), pending (proposed configs not yet trained), visits,
+# value_sum, value (its own stage's validation metric), done (nothing left to expand under it).
+def llmzero_uct(value_sum: float, visits: int, parent_visits: int, c: float) -> float:
+    """UCT ``Q + c sqrt(ln N_parent / N)``; +inf for an unvisited node."""
+    if visits == 0:
+        return math.inf
+    return value_sum / visits + c * math.sqrt(math.log(max(parent_visits, 1)) / visits)
+
+
+def llmzero_select(nodes: list[dict], c: float, k: int, max_depth: int) -> dict | None:
+    """From the root, descend by UCT (ties: the lowest id; done children skipped) to the first node
+    that can take another child (depth < max_depth, fewer than ``k`` children); None when the whole
+    tree is done."""
+    node = nodes[0]
+    while True:
+        if node["done"]:
+            return None
+        if node["depth"] < max_depth and len(node["children"]) < k:
+            return node
+        live = [nodes[i] for i in node["children"] if not nodes[i]["done"]]
+        scores = [llmzero_uct(ch["value_sum"], ch["visits"], node["visits"], c) for ch in live]
+        node = live[scores.index(max(scores))]
+
+
+def llmzero_backup(nodes: list[dict], leaf: int, value: float, k: int, max_depth: int) -> None:
+    """Add ``value`` to every node from ``leaf`` up to the root; mark done what has nothing left
+    (a leaf at max_depth; a node with k children, all done)."""
+    i: int | None = leaf
+    while i is not None:
+        n = nodes[i]
+        n["visits"] += 1
+        n["value_sum"] += value
+        full = n["depth"] >= max_depth or len(n["children"]) >= k
+        n["done"] = full and all(nodes[j]["done"] for j in n["children"])
+        i = n["parent"]
+
+
+def llmzero_capacity(parent: dict, child: dict, capacity: Sequence[str]) -> dict:
+    """The capacity prior: each capacity key of ``child`` at least its value in ``parent``."""
+    out = dict(child)
+    for key in capacity:
+        if key in parent and key in out and out[key] < parent[key]:
+            out[key] = parent[key]
+    return out
+
+
+def llmzero_search(
+    propose: Callable[[dict, int], list[dict]],
+    simulate: Callable[[dict], float],
+    cost: Callable[[dict], float],
+    budget: float,
+    k: int,
+    c: float,
+    max_depth: int,
+    capacity: Sequence[str] = (),
+) -> tuple[list[dict], float]:
+    """The search: train the root, then repeat select -> (propose ``k`` configs when a node has none
+    pending) -> train the next pending one as a new child -> back its value up, while the next stage
+    fits the budget. ``propose(node, m)`` -> m configs (overrides), ``simulate(node)`` -> value,
+    ``cost(config)`` -> compute of one stage. Returns (nodes, compute spent <= budget)."""
+    root = {"id": 0, "parent": None, "depth": 0, "config": {}, "children": [], "pending": []}
+    root.update(visits=0, value_sum=0.0, value=None, done=False)
+    nodes, spent = [root], 0.0
+    if cost(root["config"]) > budget:
+        return nodes, spent
+    spent += cost(root["config"])
+    root["value"] = simulate(root)
+    llmzero_backup(nodes, 0, root["value"], k, max_depth)
+    while True:
+        node = llmzero_select(nodes, c, k, max_depth)
+        if node is None:
+            break
+        if not node["pending"]:
+            node["pending"] = list(propose(node, k - len(node["children"])))
+        cfg = llmzero_capacity(node["config"], {**node["config"], **node["pending"][0]}, capacity)
+        if spent + cost(cfg) > budget:
+            break
+        node["pending"].pop(0)
+        child = {"id": len(nodes), "parent": node["id"], "depth": node["depth"] + 1, "config": cfg}
+        child.update(children=[], pending=[], visits=0, value_sum=0.0, value=None, done=False)
+        nodes.append(child)
+        node["children"].append(child["id"])
+        spent += cost(cfg)
+        child["value"] = simulate(child)
+        llmzero_backup(nodes, child["id"], child["value"], k, max_depth)
+    return nodes, spent
+
+
+def llmzero_random_configs(space: dict, count: int, seed: int, node_id: int) -> list[dict]:
+    """Random search's draws: ``count`` configs, each key's value uniform over ``space[key]``, from
+    ``random.Random(seed * 1_000_003 + node_id)``."""
+    import random
+
+    rng = random.Random(seed * 1_000_003 + node_id)
+    return [{key: rng.choice(list(vals)) for key, vals in sorted(space.items())} for _ in range(count)]

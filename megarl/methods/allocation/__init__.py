@@ -5,6 +5,7 @@ Importing this package registers the family's allocators and parts.
 """
 
 from megarl.methods.allocation import (
+    llmzero,  # noqa: F401
     pac,  # noqa: F401
     pair,  # noqa: F401
     sara,  # noqa: F401
