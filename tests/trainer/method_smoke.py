@@ -83,6 +83,9 @@ SMOKE_OVERRIDES: dict[str, dict] = {
             "functions": [{"name": "correct", "kind": "exact_match"}, {**FORMAT_REWARD, "correct": True}]
         }
     },
+    # one sample per prompt: the smoke's 16 samples per step (4 prompts x 4), not the example's 64
+    "comppo": {"schedule": {"prompts_per_step": 16}},
+    "sapo": {"schedule": {"prompts_per_step": 16}},
     # the smoke's run directory is shared: replay what examples/methods/regen.yaml (run before it) wrote
     "regen-replay": {"method": {"replay_in": "replay"}},
 }
