@@ -56,9 +56,7 @@ def _reference(b, kappa, k):
     pad = unpack(b)
     am, m = pad.attention_mask, pad.loss_mask.double()
     gate = rc.comp_gate(_padded(b, kappa), m, k["g_min"], k["g_max"], k["slope"], k["offset"])
-    adv, ret = rc.comp_gae(
-        _padded(b, token_rewards(b)), _padded(b, b.values), gate, m, k["gamma"], k["lam"]
-    )
+    adv, ret = rc.comp_gae(_padded(b, token_rewards(b)), _padded(b, b.values), gate, m, k["gamma"], k["lam"])
     return adv[am], ret[am]
 
 
