@@ -66,7 +66,7 @@ def _with_kappa(b, seed):
     return b.token_extras[CONCENTRATION]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(reward_batches(), KNOBS, st.integers(0, 2**31 - 1), st.booleans())
 def test_reverse_scan_equals_the_reference_closed_form(b, k, seed, outcome_only):
     if outcome_only:
@@ -78,7 +78,7 @@ def test_reverse_scan_equals_the_reference_closed_form(b, k, seed, outcome_only)
     torch.testing.assert_close(b.returns.double(), want_ret, rtol=1e-10, atol=1e-10)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(reward_batches(), st.sampled_from([1.0, 0.9]), st.sampled_from([0.95, 0.5]), st.floats(0.3, 1.0))
 def test_constant_gate_is_gae_with_gamma_times_c(b, gamma, lam, c):
     """g ≡ 1 gives GAE(γ, λ) exactly; g ≡ c gives GAE with γ' = γc in bootstrap and trace."""
@@ -169,7 +169,7 @@ def test_concentration_of_attention_rows_matches_the_reference():
     assert bool((want_e[0] >= -1e-12).all() and (want_e[0] <= 1 + 1e-12).all())
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     rl_cases(torch.float64, cfgs=st.just(ObjectiveConfig(policy_loss="ppo", aggregation="token-mean"))),
     KNOBS,

@@ -186,7 +186,7 @@ def test_trunk_values_build_no_second_model_and_train_the_head():
     assert torch.equal(fresh.head.out.weight, part.head.out.weight)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     rl_cases(torch.float64, cfgs=st.just(ObjectiveConfig(policy_loss="ppo", aggregation="token-mean"))),
     st.integers(0, 2**31 - 1),
