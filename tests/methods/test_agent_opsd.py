@@ -74,7 +74,7 @@ def _opsd_batch(seed, scale=1.0):
     return with_teacher(b, b.token_extras.pop("pi_logprobs"), b.extras.pop("pi_on"), correct)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.integers(0, 2**31 - 1), KNOBS, st.sampled_from([0.05, 0.5, 3.0]))
 def test_advantages_match_reference_on_multi_turn_batches(seed, knobs, scale):
     b = _opsd_batch(seed, scale)
@@ -89,7 +89,7 @@ def test_advantages_match_reference_on_multi_turn_batches(seed, knobs, scale):
     torch.testing.assert_close(padded(b, EST(b, **knobs)), want, rtol=1e-9, atol=1e-9)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(st.integers(0, 2**31 - 1), KNOBS, st.sampled_from([0.1, 1.0, 5.0]))
 def test_weights_positive_mean_one_sign_kept(seed, knobs, scale):
     b = _opsd_batch(seed, scale)
@@ -106,7 +106,7 @@ def test_weights_positive_mean_one_sign_kept(seed, knobs, scale):
     assert torch.equal(torch.sign(tok[m]), torch.sign(adv[seq][m]))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(st.integers(0, 2**31 - 1))
 def test_teacher_equal_to_student_is_grpo(seed):
     b = _opsd_batch(seed)
@@ -118,7 +118,7 @@ def test_teacher_equal_to_student_is_grpo(seed):
     assert torch.equal(EST(b), base)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     st.lists(st.floats(-20, 20), min_size=1, max_size=6),
     st.floats(0, 1),

@@ -106,7 +106,7 @@ def assistant_turns(b):
     return [[(s, e) for s, e, r in sp if r == "assistant"] for sp in b.turn_spans]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.integers(0, 2**31 - 1), KNOBS, st.sampled_from([0.1, 1.0, 10.0]))
 def test_advantages_match_reference_on_multi_turn_batches(seed, knobs, scale):
     b = _batch(torch.Generator().manual_seed(seed), scale)
@@ -121,7 +121,7 @@ def test_advantages_match_reference_on_multi_turn_batches(seed, knobs, scale):
     torch.testing.assert_close(padded(b, EST(b, **knobs)), want, rtol=1e-9, atol=1e-9)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(st.integers(0, 2**31 - 1), KNOBS, st.sampled_from([0.1, 1.0, 10.0]))
 def test_weights_are_positive_bounded_mean_one_and_keep_the_sign(seed, knobs, scale):
     b = _batch(torch.Generator().manual_seed(seed), scale)
@@ -136,7 +136,7 @@ def test_weights_are_positive_bounded_mean_one_and_keep_the_sign(seed, knobs, sc
     assert torch.equal(torch.sign(tok[m]), torch.sign(adv[b.seq_index()][m]))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.floats(-5, 5))
 def test_constant_shift_is_grpo_and_shift_invariant(seed, c):
     b = _batch(torch.Generator().manual_seed(seed))
@@ -169,7 +169,7 @@ def test_equal_rewards_give_zero_advantages_and_no_gradient():
     assert torch.equal(logits.grad, torch.zeros_like(logits.grad))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     st.lists(st.floats(0.05, 3.0), min_size=1, max_size=6),
     st.lists(st.integers(1, 5), min_size=6, max_size=6),
