@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.methods.allocation.llmzero import LLMZeroKnobs, StageDiagnosis, override_args, search
+from megarl.methods.allocation.llmzero import LLMZeroKnobs, StageDiagnosis
 from megarl.methods.allocation.llmzero_agent import (
     LLMProposer,
     RandomProposer,
@@ -20,6 +20,7 @@ from megarl.methods.allocation.llmzero_agent import (
     diagnose,
     parse_changes,
 )
+from megarl.methods.allocation.llmzero_driver import override_args, search
 from megarl.methods.allocation.llmzero_tree import SearchTree
 from megarl.plugin.knobs import build_knobs
 from reference import allocation as ref
