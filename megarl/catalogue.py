@@ -82,6 +82,8 @@ METHODS: dict[str, str] = {
     "gupo": "megarl.methods.gradients.gupo:SPEC",
     "gcpo": "megarl.methods.gradients.gcpo:SPEC",
     "agon": "megarl.methods.gradients.agon:SPEC",
+    "lc-grpo": "megarl.methods.gradients.lc_grpo:SPEC",
+    "flowcts": "megarl.methods.gradients.flowcts:SPEC",
     "distilled_rl": "megarl.methods.distillation.distilled_rl:SPEC",
     "opd_regulation": "megarl.methods.distillation.opd_regulation:SPEC",
     "ra_opd": "megarl.methods.distillation.ra_opd:SPEC",

@@ -7,7 +7,9 @@ Importing this package registers the family's parts.
 from megarl.methods.gradients import (  # noqa: F401
     agon,
     es,
+    flowcts,
     gcpo,
     gupo,
+    lc_grpo,
     three_po,
 )
