@@ -208,3 +208,52 @@ def test_role_rewards_report_the_reflection_advantage():
         "reflectrl/reward_reflective": 1.0,
     }
     assert out.scalar is None and out.extras == {}
+
+
+def test_transfer_term_with_its_coefficient_matches_reference_tp2_dp2_micro():
+    """A group with every role and a rewarded transfer copy (the R2D path carries a gradient)."""
+    from megarl.testing.equivalence import Case
+
+    b = from_sequences([[1, 2]] * 6, [[3, 4, 5], [6, 3], [4, 4, 7], [5, 6], [3, 7, 7], [2, 5]], [0] * 6)
+    b.rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    b.extras[ROLE] = torch.tensor([0.0, 0.0, 1.0, 1.0, 2.0, 2.0])
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b.num_tokens, 8, generator=g, dtype=torch.float64)
+    logp = torch.log_softmax(logits, -1).gather(-1, b.tokens[:, None])[:, 0]
+    b.old_logprobs = (logp + 0.1 * torch.randn(b.num_tokens, generator=g, dtype=torch.float64)).clamp(max=0)
+    b.self_teacher_logprobs = (
+        logp + 0.4 * torch.randn(b.num_tokens, generator=g, dtype=torch.float64)
+    ).clamp(max=0)
+    adv = ADVANTAGE_ESTIMATORS.get("reflectrl")(b)
+    assert float(adv[int(b.cu_seqlens[4]) + 2]) > 0 and float(adv[int(b.cu_seqlens[5]) + 2]) == 0
+    b.advantages = adv
+    losses = []
+    for coef in (0.5, 1.0):
+        cfg = ObjectiveConfig(
+            policy_loss="reflectrl", aggregation="token-mean", policy_loss_args={"r2d_coef": coef}
+        )
+        case = Case(b, logits, cfg)
+
+        def reference(full, pad, coef=coef):
+            t = pad.per_token
+            role = b.extras[ROLE].long()
+            return ref.reflectrl_loss(
+                full,
+                pad.tokens,
+                pad.loss_mask,
+                t["advantages"],
+                t["old_logprobs"],
+                t["self_teacher_logprobs"],
+                role,
+                0.2,
+                0.28,
+                coef,
+                "token-mean",
+            )
+
+        ref_loss, ref_grad = reference_method_loss_and_grad(case, reference)
+        loss, grad = megarl_method_loss_and_grad(case, tp=2, dp=2, micro_batches=2)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+        losses.append(float(loss))
+    assert losses[0] != losses[1]  # the coefficient reaches the transfer term
