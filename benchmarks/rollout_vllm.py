@@ -5,10 +5,12 @@ Measures (figures go to stdout as JSON lines and, with --out, to a file):
   2. client overhead per request: megarl's VLLMEngine vs a bare httpx POST of the same body
      (sequential 1-token requests; the difference is what the client adds), and the client's own
      CPU time per request without any server (validation, body, parsing a recorded n=4 response);
-  3. weight-reload time (pause, reload_weights, reset_prefix_cache, resume) vs checkpoint size,
-     one server per model size.
+  3. weight-sync time vs checkpoint size, one server per model size: from disk (writing the
+     safetensors checkpoint, then pause, reload_weights, reset_prefix_cache, resume) against in
+     memory (the same tensors over the gloo channel to the worker, reloaded in place), measured
+     on the same server in the same run; prints the ratio memory / disk.
 
-Usage: .venv/bin/python benchmarks/rollout_vllm.py [--sizes small,medium,large] [--out FILE]
+Usage: .venv/bin/python benchmarks/rollout_vllm.py [--sizes small,medium,large] [--out FILE] [--sync-only]
 Needs the vLLM venv (bash tests/setup/20-vllm.sh). Takes several minutes on 2 cores.
 """
 
@@ -155,6 +157,47 @@ async def reload_times(server, dirs: list[Path], repeats: int) -> list[float]:
     return out
 
 
+def _state(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    state: dict = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+async def disk_sync_times(server, states: list[dict], src: Path, work: Path, repeats: int) -> list[float]:
+    """Write each state as a HF checkpoint (config copied from ``src``), then reload it: the whole
+    disk path of a training step's sync."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = []
+    async with server.client() as eng:
+        for i in range(repeats):
+            d = work / f"disk-{i}"
+            t = time.perf_counter()
+            d.mkdir(parents=True)
+            shutil.copy(src / "config.json", d / "config.json")
+            save_file(states[i % 2], str(d / "model.safetensors"))
+            await eng.update_weights(d, version=f"d{i}")
+            out.append(time.perf_counter() - t)
+            shutil.rmtree(d)
+    return out
+
+
+async def memory_sync_times(server, states: list[dict], repeats: int) -> list[float]:
+    out = []
+    async with server.client() as eng:
+        await eng.update_weights_from_tensors(states[1], version="warm")  # opens the channel
+        for i in range(repeats):
+            t = time.perf_counter()
+            await eng.update_weights_from_tensors(states[i % 2], version=f"m{i}")
+            out.append(time.perf_counter() - t)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="small,medium,large")
@@ -162,10 +205,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sync-only", action="store_true", help="only the weight-sync comparison")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="megarl-bench-"))
     emit(args.out, bench="env", cpus=os.cpu_count(), load_avg=os.getloadavg(), dtype=args.dtype)
-    emit(args.out, bench="client_cpu", **client_cpu_cost())
+    if not args.sync_only:
+        emit(args.out, bench="client_cpu", **client_cpu_cost())
     for k, size in enumerate(args.sizes.split(",")):
         a = build_tiny_qwen3(work / f"{size}-a", seed=0, config_overrides=SIZES[size])
         b = build_tiny_qwen3(work / f"{size}-b", seed=1, config_overrides=SIZES[size])
@@ -179,11 +224,12 @@ def main() -> None:
                 expose_host="127.0.0.1",
                 max_num_seqs=32,
                 work_dir=str(work / f"srv-{size}"),
+                startup_timeout_s=900,
             )
         )
         start_s = time.perf_counter() - t0
         try:
-            if k == 0:
+            if k == 0 and not args.sync_only:
                 one = asyncio.run(throughput(server, 1, args.requests // 4, args.new_tokens))
                 many = asyncio.run(throughput(server, 32, args.requests, args.new_tokens))
                 emit(
@@ -198,6 +244,9 @@ def main() -> None:
                     args.out, bench="client_overhead", model=size, **asyncio.run(client_overhead(server, 100))
                 )
             times = asyncio.run(reload_times(server, [b, a], 6))
+            states = [_state(b), _state(a)]
+            disk = asyncio.run(disk_sync_times(server, states, a, work / f"sync-{size}", 4))
+            memory = asyncio.run(memory_sync_times(server, states, 4))
             emit(
                 args.out,
                 bench="reload",
@@ -206,6 +255,9 @@ def main() -> None:
                 server_start_s=round(start_s, 1),
                 reload_median_s=round(statistics.median(times), 3),
                 reload_all_s=[round(t, 3) for t in times],
+                disk_write_and_reload_median_s=round(statistics.median(disk), 3),
+                memory_sync_median_s=round(statistics.median(memory), 3),
+                memory_over_disk=round(statistics.median(memory) / statistics.median(disk), 3),
             )
         finally:
             server.stop()

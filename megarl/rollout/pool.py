@@ -169,6 +169,24 @@ class EnginePool(RolloutEngine):
         if version is not None:
             self.weight_version = version
 
+    async def update_weights_from_tensors(self, state: dict, version: str | None = None) -> None:
+        """Send in-memory weights to every up engine, one after another (each has its own channel);
+        an engine that fails the sync is marked down."""
+        first_err = None
+        for m in [m for m in self.members if m.down_reason is None]:
+            try:
+                await m.engine.update_weights_from_tensors(state, version)
+            except EngineDeadError as e:
+                self.mark_down(m.engine, f"in-memory weight sync failed: {e}")
+            except Exception as e:  # e.g. WeightsDirError: nothing was sent, the engine untouched
+                first_err = first_err or e
+        if first_err is not None:
+            raise first_err
+        if not self.up:
+            raise self._none_left()
+        if version is not None:
+            self.weight_version = version
+
     async def pause(self) -> None:
         await super().pause()
         await asyncio.gather(*(e.pause() for e in self.up), return_exceptions=True)

@@ -92,6 +92,10 @@ class VLLMServerConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     command_prefix: list[str] = field(default_factory=list)
     socket_dir: str | None = None
+    weight_receiver: bool = True  # load megarl's worker extension: weights can be sent in memory
+
+
+RECEIVER_DIR = Path(__file__).parent / "vllm_ext"
 
 
 class _ServerProcess:
@@ -235,6 +239,10 @@ class VLLMServer(_ServerProcess):
         ]
         if c.enforce_eager:
             cmd.append("--enforce-eager")
+        if c.weight_receiver:
+            from megarl.rollout.memory_sync import RECEIVER_CLASS
+
+            cmd += ["--worker-extension-cls", RECEIVER_CLASS]
         return c.command_prefix + cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -258,6 +266,8 @@ class VLLMServer(_ServerProcess):
             }
         )
         env.pop("VIRTUAL_ENV", None)
+        if self.cfg.weight_receiver:  # the receiver imports only torch: its directory alone, not megarl
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(RECEIVER_DIR), env.get("PYTHONPATH")) if p)
         env.update(self.cfg.extra_env)
         return env
 

@@ -173,6 +173,82 @@ class VLLMEngine(HttpEngine):
         finally:
             await super().resume()
 
+    async def update_weights_from_tensors(self, state: dict, version: str | None = None) -> None:
+        """Send the HF-named tensors ``state`` to the server in memory (no checkpoint on disk) and
+        reload them in place while serving; in-flight requests finish first.
+
+        Needs a server started with megarl's weight receiver (``launch_vllm`` adds it). Raises
+        ``WeightsDirError`` naming the tensors (nothing sent) when the names differ from the served
+        model's, and ``EngineDeadError`` (server marked dead) when the server fails the reload.
+        """
+        import asyncio
+
+        from megarl.rollout.memory_sync import manifest, plan_buckets
+        from megarl.rollout.types import WeightsDirError
+
+        if self._reference_names is not None:
+            missing = sorted(self._reference_names - set(state))
+            unknown = sorted(set(state) - self._reference_names)
+            if missing or unknown:
+                raise WeightsDirError(
+                    f"{self.name}: in-memory weights do not match the served model: "
+                    f"missing {missing[:5]}, unknown {unknown[:5]}"
+                )
+        buckets = plan_buckets(state)
+        await super().pause()
+        try:
+            await self.request("POST", "/pause", params={"mode": "wait"}, admin=True)
+            channel = await self._weight_channel()
+            try:
+                await asyncio.gather(
+                    self._rpc("megarl_receive_weights", manifest=manifest(buckets)),
+                    asyncio.to_thread(channel.send, buckets),
+                )
+            except Exception as e:
+                self.mark_dead(f"in-memory weight sync failed: {e}")
+                raise EngineDeadError(
+                    f"{self.name}: in-memory weight sync failed; the server must be restarted ({e})"
+                ) from e
+            await self.request("POST", "/reset_prefix_cache", admin=True)
+            await self._set_version(version)
+            await self.request("POST", "/resume", admin=True)
+        finally:
+            await super().resume()
+
+    async def _rpc(self, method: str, **kwargs: str) -> list:
+        body = await self.request(
+            "POST",
+            "/collective_rpc",
+            admin=True,
+            json_body={"method": method, "kwargs": kwargs},
+            timeout_s=3600.0,
+        )
+        return list((body or {}).get("results", []))
+
+    async def _weight_channel(self):
+        """The channel to this server's workers, opened on first use."""
+        import asyncio
+
+        from megarl.rollout.memory_sync import WeightChannel, channel_host
+
+        if getattr(self, "_channel", None) is not None:
+            return self._channel
+        try:
+            workers = len(await self._rpc("megarl_count_workers"))
+        except RolloutError as e:
+            raise RolloutError(
+                f"{self.name}: the server has no megarl weight receiver (start it with "
+                "--worker-extension-cls megarl_vllm_receiver.MegarlWeightReceiver and "
+                "megarl/rollout/vllm_ext on PYTHONPATH, as launch_vllm does) or use "
+                f"rollout.weight_sync: disk ({e})"
+            ) from e
+        channel = WeightChannel.host_store(channel_host(str(self._client.base_url)), 1 + workers)
+        await asyncio.gather(
+            self._rpc("megarl_open_channel", channel=channel.invitation()), asyncio.to_thread(channel.join)
+        )
+        self._channel = channel
+        return channel
+
     async def _reload(self, weights_dir: str) -> None:
         """The server reloads its weights from ``weights_dir``; a failure marks it dead."""
         try:

@@ -68,6 +68,16 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             "rollout.launch=true starts one vLLM server: it needs rollout.engine='vllm' and no rollout.urls"
         )
+    if r.weight_sync == "memory" and r.engine != "vllm":
+        raise ConfigError(
+            f"rollout.weight_sync='memory' sends weights to vLLM servers; rollout.engine={r.engine!r} "
+            "takes them from disk (sglang) or in process (embedded): use weight_sync: disk"
+        )
+    if r.weight_sync == "memory" and cfg.async_loop.enabled and cfg.async_loop.partial_rollout == "continue":
+        raise ConfigError(
+            "rollout.weight_sync='memory' cannot keep requests on the server across a reload "
+            "(async_loop.partial_rollout='continue'): use partial_rollout: abort or weight_sync: disk"
+        )
     if not cfg.data.train and not cfg.data.generate:
         raise ConfigError("data.train is empty: give a jsonl path/glob or data.generate")
     if not cfg.reward.functions:

@@ -1,7 +1,8 @@
 """Weight sync from the learner to the rollout engine (collective: every rank exports its shards).
 
 The embedded engine takes the HF-named tensors in memory; server engines (vLLM, SGLang) reload an
-exported HF checkpoint directory ``weights_dir/vNNNNNN``. The asynchronous loop brackets a sync
+exported HF checkpoint directory ``weights_dir/vNNNNNN``, or (vLLM, ``rollout.weight_sync: memory``)
+receive the tensors over a gloo channel. The asynchronous loop brackets a sync
 with its producer's pause/abort and resume (megarl/trainer/rollout_producer.py). A step hook that
 is a ``RolloutWeights`` (parameter-space exploration) changes the learner's weights around each
 sync and restores them after it; ``push_weights`` is what method parts call to push weights of
@@ -37,6 +38,14 @@ def export_dir(run: Any, version: int | str, learner: Any = None) -> Path:
     return wdir
 
 
+def weight_sync_mode(rollout: Any) -> str:
+    """``rollout.weight_sync`` resolved: "auto" is "memory" for a vLLM server the run launches
+    itself (it has the weight receiver), else "disk"."""
+    if rollout.weight_sync != "auto":
+        return rollout.weight_sync
+    return "memory" if rollout.engine == "vllm" and rollout.launch else "disk"
+
+
 def push_weights(run: Any, version: int | str, learner: Any = None) -> None:
     """The learner's current weights -> ``run.engine`` as ``version`` (collective). ``learner``: a
     second trainable model of the run's architecture that a method builds, served by the same
@@ -45,6 +54,18 @@ def push_weights(run: Any, version: int | str, learner: Any = None) -> None:
         state = export_state(learner or run.learner)
         if run.engine is not None:
             run.loop.run_until_complete(run.engine.update_weights_from_tensors(state, str(version)))
+        return
+    if weight_sync_mode(run.cfg.rollout) == "memory":
+        from megarl.convert.hf_megatron import iter_hf_tensors
+
+        model = learner or run.learner
+        tensors = iter_hf_tensors(model.model, model.groups)  # collective: every rank gathers
+        if run.engine is None:
+            for _ in tensors:
+                pass
+            return
+        state = dict(tensors)  # the engine's rank holds one full copy while it sends
+        run.loop.run_until_complete(run.engine.update_weights_from_tensors(state, str(version)))
         return
     wdir = export_dir(run, version, learner)
     if run.engine is not None:
