@@ -447,3 +447,92 @@ def llmzero_random_configs(space: dict, count: int, seed: int, node_id: int) -> 
 
     rng = random.Random(seed * 1_000_003 + node_id)
     return [{key: rng.choice(list(vals)) for key, vals in sorted(space.items())} for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------ TrajVal
+# Provenance of every TrajVal function: RECONSTRUCTED (no source found; the spec's formulas).
+def trajval_learnability(
+    acc0: float, acc1: float, n_eval: float, headroom: bool = True, eps: float = 1e-3, n0: float = 0.0
+) -> float:
+    """l_k = max(0, acc1 - acc0) / (1 - acc0 + eps) (headroom-normalised; else max(0, acc1 - acc0)),
+    shrunk by n_eval / (n_eval + n0)."""
+    gain = acc1 - acc0
+    ell = (gain if gain > 0 else 0.0) / ((1.0 - acc0 + eps) if headroom else 1.0)
+    return ell * (n_eval / (n_eval + n0))
+
+
+def trajval_prior(ell: Sequence[float], beta: float = 1.0, eps0: float = 0.01) -> list[float]:
+    """pi_k = (l_k + eps0)^beta / sum_j (l_j + eps0)^beta."""
+    w = [math.exp(beta * math.log(x + eps0)) for x in ell]
+    return [x / sum(w) for x in w]
+
+
+def trajval_combine(scores: Sequence[float], pi: Sequence[float]) -> list[float]:
+    """The multiplicative prior on an online scheduler: p_k = s_k pi_k / sum_j s_j pi_j."""
+    w = [s * p for s, p in zip(scores, pi)]
+    return [x / sum(w) for x in w]
+
+
+# ------------------------------------------------------------------------------------ MASS
+# Provenance of every MASS function: RECONSTRUCTED (no source found; the spec's selection rules).
+def mass_topk(pre: Sequence[Sequence[float]], K: int) -> list[list[float]]:
+    """TopK codes: per row the K largest pre-activations kept (ties: the lower index), the rest 0."""
+    out = []
+    for row in pre:
+        keep = sorted(range(len(row)), key=lambda j: (-row[j], j))[:K]
+        out.append([row[j] if j in keep else 0.0 for j in range(len(row))])
+    return out
+
+
+def mass_split_budget(sizes: Sequence[int], budget: int, mode: str = "size") -> list[int]:
+    """Group budgets B_g proportional to |g| (or sqrt |g|), largest remainder, capped at |g|; a
+    capped group's excess is split again over the others."""
+    out = [0] * len(sizes)
+    left = budget
+    while left > 0:
+        open_ = [g for g in range(len(sizes)) if out[g] < sizes[g]]
+        w = {g: (sizes[g] ** 0.5 if mode == "sqrt" else sizes[g]) for g in open_}
+        raw = {g: left * w[g] / sum(w.values()) for g in open_}
+        add = {g: math.floor(raw[g]) for g in open_}
+        for g in sorted(open_, key=lambda g: (add[g] - raw[g], g))[: left - sum(add.values())]:
+            add[g] += 1
+        for g in open_:
+            take = min(add[g], sizes[g] - out[g])
+            out[g] += take
+            left -= take
+    return out
+
+
+def mass_greedy(
+    q: Sequence[float], codes: Sequence[Sequence[float]], budget: int, weight: str = "idf"
+) -> tuple[list[int], list[float]]:
+    """Quality-aware greedy coverage in one group: pick argmax_x q(x) sum_{f in F(x) uncovered} u_f
+    (u_f = log((1 + N) / (1 + df_f)) or |h_f(x)|), ties to the lower index; when no sample adds
+    coverage, the rest by quality (ties: lower index). Returns (picks, marginal gains)."""
+    N, F = len(codes), len(codes[0])
+    df = [sum(1 for x in range(N) if codes[x][f] != 0) for f in range(F)]
+    covered: set[int] = set()
+    picks: list[int] = []
+    gains: list[float] = []
+    while len(picks) < budget:
+        best, arg = 0.0, -1
+        for x in range(N):
+            if x in picks:
+                continue
+            u = [
+                (math.log((1 + N) / (1 + df[f])) if weight == "idf" else abs(codes[x][f]))
+                for f in range(F)
+                if codes[x][f] != 0 and f not in covered
+            ]
+            g = q[x] * sum(u)
+            if g > 0 and g > best * (1 + 1e-12):
+                best, arg = g, x
+        if arg < 0:
+            rest = sorted((x for x in range(N) if x not in picks), key=lambda x: (-q[x], x))
+            picks += rest[: budget - len(picks)]
+            gains += [0.0] * (budget - len(gains))
+            break
+        picks.append(arg)
+        gains.append(best)
+        covered |= {f for f in range(F) if codes[arg][f] != 0}
+    return picks, gains

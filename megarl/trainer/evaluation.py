@@ -29,8 +29,9 @@ def _correct(res: Any) -> torch.Tensor:
 
 def evaluate(run: Any) -> dict:
     """``eval/pass@1``, ``eval/reward_greedy`` (the weighted sum) and, with ``schedule.eval_k > 1``,
-    ``eval/pass@k`` and ``eval/sampled_acc`` on the first ``schedule.eval_samples`` eval prompts ({}
-    without an eval set). Correct means the correctness reward's verdict (megarl/rewards/correctness.py),
+    ``eval/pass@k``, ``eval/sampled_acc`` and, for an eval set of several tasks, the sampled accuracy
+    per task (``per_task``) on the first ``schedule.eval_samples`` eval prompts ({} without an eval
+    set). Correct means the correctness reward's verdict (megarl/rewards/correctness.py),
     not a threshold on the weighted sum."""
     if run.eval_ds is None:
         return {}
@@ -51,7 +52,22 @@ def evaluate(run: Any) -> dict:
         ck = _correct(run.rewards(texts, answers)).view(len(rows), s.eval_k)
         out[f"eval/pass@{s.eval_k}"] = float(ck.any(1).float().mean())
         out["eval/sampled_acc"] = float(ck.float().mean())
+        out.update(per_task(rows, ck))
     out["time/eval"] = time.time() - t0
+    return out
+
+
+def per_task(rows: list, correct: torch.Tensor) -> dict:
+    """``eval/task/<task>/sampled_acc`` and ``.../samples`` per task of an eval set with several
+    tasks ({} with one); ``correct``: [rows, k] verdicts."""
+    tasks = sorted({r.task for r in rows})
+    if len(tasks) < 2:
+        return {}
+    out = {}
+    for t in tasks:
+        ck = correct[[i for i, r in enumerate(rows) if r.task == t]]
+        out[f"eval/task/{t}/sampled_acc"] = float(ck.float().mean())
+        out[f"eval/task/{t}/samples"] = float(ck.numel())
     return out
 
 
@@ -60,6 +76,9 @@ def eval_text(rec: dict) -> str:
     parts = [
         f"{k[5:]} {v:.3f}"
         for k, v in rec.items()
-        if k.startswith("eval/") and k != "eval/reward_greedy" and isinstance(v, float)
+        if k.startswith("eval/")
+        and k != "eval/reward_greedy"
+        and not k.startswith("eval/task/")
+        and isinstance(v, float)
     ]
     return ("  | held-out " + "  ".join(parts)) if parts else ""

@@ -79,6 +79,8 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "sara": {"method": {"budget_samples": 64}},
     # more of each prompt's 4 prefixes kept: groups of >= 2 for the 2 mini-batches x 2 replicas
     "pair": {"method": {"budget_frac": 0.75}},
+    # the smoke data has 64 rows: select 32, with short autoencoder training
+    "mass": {"method": {"budget": 32, "steps": 20}},
     # the smoke policy is never correct in 2 steps: TASPO's bank counts the format check as the
     # verification, so that step 1's successes are step 2's privileged information
     "taspo": {

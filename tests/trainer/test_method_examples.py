@@ -236,6 +236,8 @@ def check_signal(name: str, r: dict) -> None:
         key = {
             "gapo": "train/gapo/clip_high",
             "pac": "pac/reverse/prompts",  # the curriculum chose the step's prompts
+            "trajval": "trajval/reverse/prompts",  # the prior chose the step's prompts
+            "mass": "mass/selected",  # the steps drew from the selection
             "estr": "train/estr/masked_frac",
             "sao": "train/sao_clip/out_of_band_frac",
             "output-reset": "train/output_reset/residual",
