@@ -85,8 +85,8 @@ CASES_2 = [
     "fullvocab:dense:pp2",
     "fullvocab:moe:ep2",
     "fullvocab:moe:tp2sp",
-    "probe:dense:tp2sp",
-    "probe:dense:pp2",
+    "probe:moe:tp2sp",
+    "probe:moe:pp2",
     "probe:moe:ep2",
 ]
 # 4 processes on CI's 2 cores: kept short. (expert_tp > 1 together with ep > 1 cannot run on gloo:

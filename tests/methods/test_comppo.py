@@ -243,3 +243,18 @@ def test_bad_knobs_and_missing_inputs_are_named():
         build_knobs(ConcentrationKnobs, {"statistic": "gini"}, "inputs.attention_concentration")
     with pytest.raises(ValueError, match="inputs.attention_concentration: layers"):
         build_knobs(ConcentrationKnobs, {"layers": []}, "inputs.attention_concentration")
+
+
+def test_tac_router_features_widen_the_head_of_an_moe_policy_only():
+    """TAC's φ(router): n_moe_layers · num_experts more inputs; a dense policy is refused."""
+    import json
+
+    from megarl.methods.critics.trunk import feature_size
+    from megarl.testing.tiny_qwen3 import find_tiny_qwen3_fixture
+
+    dense = json.loads((find_tiny_qwen3_fixture() / "config.json").read_text())
+    assert feature_size(dense, False) == dense["hidden_size"]
+    with pytest.raises(ValueError, match="inputs.values.router: true needs an MoE policy"):
+        feature_size(dense, True)
+    moe = dict(dense, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert feature_size(moe, True) == dense["hidden_size"] + dense["num_hidden_layers"] * 4

@@ -210,8 +210,8 @@ def test_ppo_on_sapo_advantages_matches_reference_loss_and_gradient(case, seed, 
 def test_bad_knobs_are_named():
     with pytest.raises(ValueError, match="inputs.values: model"):
         build_knobs(CriticKnobs, {"model": "shared"}, "inputs.values")
-    with pytest.raises(ValueError, match="inputs.values: boundaries and sarsa_coef need model: trunk"):
-        build_knobs(CriticKnobs, {"boundaries": True}, "inputs.values")
+    with pytest.raises(ValueError, match="boundaries, sarsa_coef and router need model: trunk"):
+        build_knobs(CriticKnobs, {"router": True}, "inputs.values")
     with pytest.raises(ValueError, match="inputs.values: context: true needs model: critic"):
         build_knobs(CriticKnobs, {"model": "trunk", "context": True}, "inputs.values")
     b = _sapo_batch()

@@ -18,8 +18,8 @@ the returns the advantage estimator wrote | monte_carlo: the discounted reward-t
 the policy's optimizer steps, ``updates_policy``), context (a privileged critic: it reads each prompt
 with the ``critic_context`` round input appended, megarl.methods.critics.privileged), model
 (critic: the Megatron critic above | trunk: a small head on the policy's own detached hidden
-states, no second model: megarl.methods.critics.trunk, with layer, head_width, boundaries and
-sarsa_coef).
+states, no second model: megarl.methods.critics.trunk, with layer, head_width, boundaries,
+sarsa_coef and router).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class CriticKnobs(Knobs):
     head_width: int = 64
     boundaries: bool = False
     sarsa_coef: float = 0.0
+    router: bool = False
 
     def check(self) -> None:
         """Ranges and names."""
@@ -86,8 +87,10 @@ class CriticKnobs(Knobs):
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.model not in VALUE_MODELS:
             raise ValueError(f"model={self.model!r}; known: {', '.join(VALUE_MODELS)}")
-        if self.model == "critic" and (self.boundaries or self.sarsa_coef):
-            raise ValueError("boundaries and sarsa_coef need model: trunk (a head on the policy's trunk)")
+        if self.model == "critic" and (self.boundaries or self.sarsa_coef or self.router):
+            raise ValueError(
+                "boundaries, sarsa_coef and router need model: trunk (a head on the policy's trunk)"
+            )
         if self.model == "trunk" and self.context:
             raise ValueError("context: true needs model: critic (the trunk reads the policy's own prompt)")
         if self.layer < -1 or self.head_width < 0 or self.sarsa_coef < 0:

@@ -171,3 +171,38 @@ def hidden_states(learner: Any, batch: PackedBatch, micro_batches: int, layer: i
     if chunks:
         out = torch.cat([c[: mb.num_tokens] for c, mb in zip(chunks, mbs)])
     return _all_reduce(out, g.pp, g.layout.pp, g.device)  # one stage holds the layer
+
+
+def router_features(learner: Any, batch: PackedBatch, micro_batches: int) -> torch.Tensor:
+    """The routing weights of every MoE layer at every packed position, [T, n_moe · E] (float32,
+    every rank; layers in model order): each router's (top-k, normalised) probabilities over the
+    E experts, 0 for the experts not chosen. Gathered under sequence parallelism; each pipeline
+    stage fills its own layers' columns."""
+    model, g, spec = learner.model, learner.groups, learner.spec
+    if not spec.is_moe:
+        raise ValueError("inputs.values.router: true needs an MoE policy (this one has no router)")
+    E, moe = int(spec.num_experts), list(spec.moe_layers)
+    mbs = batch.split(micro_batches)
+    out = torch.zeros(batch.num_tokens, len(moe) * E, dtype=torch.float32)
+    offsets = torch.cumsum(torch.tensor([0] + [mb.num_tokens for mb in mbs]), 0).tolist()
+    pairs, calls = [], {}
+    for i, layer in decoder_layers(model).items():
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if router is None or i not in moe:
+            continue
+        col = moe.index(i) * E
+
+        def hook(_m, _args, res, col=col, key=i):
+            probs = (res[0] if isinstance(res, tuple) else res).detach().reshape(-1, E)  # [s(/tp), E]
+            if g.layout.sequence_parallel and g.layout.tp > 1:
+                parts = [torch.empty_like(probs) for _ in range(g.layout.tp)]
+                dist.all_gather(parts, probs.contiguous(), group=g.tp)
+                probs = torch.cat(parts, 0)
+            idx = calls.get(key, 0)
+            calls[key] = idx + 1
+            a, n = offsets[idx], mbs[idx].num_tokens
+            out[a : a + n, col : col + E] = probs[:n].float().cpu()
+
+        pairs.append((router, hook))
+    run_probe(learner, batch, micro_batches, pairs)
+    return _all_reduce(out, g.pp, g.layout.pp, g.device)

@@ -7,6 +7,9 @@ detached (megarl/methods/critics/probe.py). A small MLP head (``head_width`` hid
 first token of each sequence. After the policy's optimizer steps the head takes ``epochs`` Adam
 steps (its own learning rate ``lr``) toward the step's targets:
 
+With ``router: true`` (an MoE policy) the features also hold every MoE layer's routing weights
+at the position (TAC's φ(router): the top-k probabilities over the experts, 0 elsewhere).
+
 - per token (default): the critic's value loss (``value_loss``: mse | clipped | huber) toward the
   estimator's returns or the Monte Carlo return (``targets``), a token mean over the loss tokens;
 - at turn boundaries (``boundaries: true``): the actions of a sequence are its runs of loss
@@ -125,6 +128,18 @@ def boundary_head_loss(
     return lv + sarsa_coef * lq, {"value_loss": float(lv.detach()), "sarsa_loss": float(lq.detach())}
 
 
+def feature_size(hf_config: dict, router: bool) -> int:
+    """The head's input width: the hidden size, plus n_moe_layers · num_experts with ``router``."""
+    if not router:
+        return int(hf_config["hidden_size"])
+    from megarl.learner.model import model_spec_from_hf
+
+    spec = model_spec_from_hf(dict(hf_config))
+    if not spec.is_moe:
+        raise ValueError("inputs.values.router: true needs an MoE policy (this one has no router)")
+    return spec.hidden_size + len(spec.moe_layers) * spec.num_experts
+
+
 class TrunkCritic:
     """The ``values`` input on the policy's trunk; the same provider/hook interface as the critic."""
 
@@ -133,8 +148,9 @@ class TrunkCritic:
 
         self._targets = value_targets
         self.ctx, self.knobs, self.policy = ctx, knobs, ctx.policy
-        hidden = int(ctx.hf_config["hidden_size"])
-        self.head = TrunkHead(hidden, knobs.head_width, ctx.cfg.model.seed + 1)
+        self.head = TrunkHead(
+            feature_size(ctx.hf_config, knobs.router), knobs.head_width, ctx.cfg.model.seed + 1
+        )
         self.optim = torch.optim.Adam(self.head.parameters(), lr=knobs.lr)
         self.objective = ValueObjective(knobs.value_loss, knobs.value_clip, knobs.huber_delta)
         self.gamma = float(ctx.cfg.advantage.knobs.get("gamma", 1.0))
@@ -149,6 +165,10 @@ class TrunkCritic:
         from megarl.methods.critics.probe import hidden_states
 
         self._hidden = hidden_states(self.policy, batch, micro_batches, self.knobs.layer)
+        if self.knobs.router:  # TAC's φ(router): the MoE routing weights beside the hidden states
+            from megarl.methods.critics.probe import router_features
+
+            self._hidden = torch.cat([self._hidden, router_features(self.policy, batch, micro_batches)], 1)
         with torch.no_grad():
             batch.values = aligned_values(self.head, self._hidden, batch.cu_seqlens).float()
         m = batch.loss_mask.bool()
