@@ -42,7 +42,7 @@ def _example_cases():
     return rl_cases(torch.float64, cfgs=st.just(cfg), min_groups=2)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(_example_cases(), st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.5, 1.0]), st.booleans())
 def test_rewards_and_advantages_equal_the_reference(case, seed, gamma, reader_side):
     b = case.batch
@@ -57,7 +57,7 @@ def test_rewards_and_advantages_equal_the_reference(case, seed, gamma, reader_si
     torch.testing.assert_close(got.double() * b.loss_mask.double(), want, rtol=1e-10, atol=1e-10)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     _example_cases(),
     st.integers(0, 2**31 - 1),

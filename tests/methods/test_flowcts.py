@@ -83,7 +83,7 @@ def test_loss_and_gradient_equal_the_reference_and_splits_add_up(seed, n, own, o
         torch.testing.assert_close(s, g, rtol=1e-10, atol=1e-13)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(st.integers(0, 2**16), st.integers(1, 6), st.booleans())
 def test_identical_fields_give_zero(seed, n, own):
     m = _model(seed)
@@ -91,7 +91,7 @@ def test_identical_fields_give_zero(seed, n, own):
     assert float(flowcts_terms(field_of(m), field_of(m), x, t_k, n, own).abs().max()) == 0.0
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.floats(0, 0.99), st.floats(0, 1), st.floats(0, 1))
 def test_weight_is_nonnegative_and_nonincreasing(t_k, a, b):
     u1, u2 = sorted((t_k + a * (1 - t_k), t_k + b * (1 - t_k)))
@@ -101,7 +101,7 @@ def test_weight_is_nonnegative_and_nonincreasing(t_k, a, b):
     torch.testing.assert_close(got, torch.tensor([w1, w2]), rtol=1e-6, atol=1e-7)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(st.integers(0, 2**16), st.sampled_from([1, 4, 16, 64]), st.floats(0, 0.9))
 def test_discrete_trajectory_bound_holds_on_random_smooth_fields(seed, n, t_k):
     """Σ_j h ‖x^S_j − x^R_j‖² <= L_N, each field on its own Euler path from the same start."""

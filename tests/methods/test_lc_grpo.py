@@ -137,7 +137,7 @@ def _w2_after(stats, velocity, t, s_time, sampler_a):
     return (mean - mu_s) ** 2 + (sd - math.sqrt(var_s)) ** 2
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.floats(-3, 3), st.floats(0.5, 2), st.integers(4, 50), st.floats(0.01, 0.3), st.data())
 def test_langevin_correction_does_not_increase_w2_on_the_gaussian_toy(m, s, K, a, data):
     """Holds for data spread s >= 0.5 and randomness a <= 0.3 (see docs/methods/lc-grpo.md: with a
