@@ -81,6 +81,27 @@ def test_logprobs_agree_with_learner_recomputation(vllm_server, tiny_models):
     assert max(diffs) < LOGPROB_ATOL
 
 
+def test_continue_sample_keeps_the_prefix_and_samples_the_rest(vllm_server, tiny_models):
+    """Prefix-then-continue through the vLLM client: prompt + prefix ids go out as the prompt; the
+    prefix's tokens and logprobs come back unchanged and the continuation's logprobs are the
+    learner's teacher-forced ones of the whole sequence."""
+
+    async def go():
+        async with vllm_server.client() as eng:
+            sp = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=21)
+            prefixes = (await eng.generate(PROMPT, n=2, sampling=sp)).samples
+            tail = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=22)
+            return prefixes, [await eng.continue_sample(PROMPT, s, tail) for s in prefixes]
+
+    prefixes, full = run(go())
+    model = load_hf(str(tiny_models["v1"]), "float32")
+    for pre, s in zip(prefixes, full):
+        assert s.token_ids[:4] == pre.token_ids and s.logprobs[:4] == pre.logprobs
+        assert len(s.token_ids) == len(s.logprobs) == 10 and s.finish_reason == "length"
+        ref = teacher_forced_logprobs(model, PROMPT, s.token_ids)
+        assert float((torch.tensor(s.logprobs) - ref).abs().max()) < LOGPROB_ATOL
+
+
 def test_engine_teacher_equals_megatron_teacher(vllm_server, tiny_models):
     """teacher.source: engine on a real vLLM server: prompt_logprobs of the student's tokens equal
     the forward-only Megatron teacher's on the same weights (both fp32, TP 1); the top-K ids agree."""
