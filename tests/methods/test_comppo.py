@@ -96,6 +96,7 @@ def test_constant_gate_is_gae_with_gamma_times_c(b, gamma, lam, c):
     assert torch.equal(est, want)
 
 
+@settings(max_examples=30, deadline=None)
 @given(
     st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=40),
     st.floats(0.0, 0.5),
