@@ -258,15 +258,22 @@ class Agon:
         """A's batch as it is."""
         return batch
 
-    def _inputs(self, batch: PackedBatch, micro: int) -> None:
-        """B's own learner inputs: its old log-probs (and entropies), its reference's log-probs."""
-        if self.cfg.schedule.old_logprobs == "recompute" or self.needs_entropy:
-            lp, ent = self.second.compute_logprobs(batch, micro, with_entropy=self.needs_entropy)
-            if self.cfg.schedule.old_logprobs == "recompute":
-                batch.old_logprobs = lp
+    def _inputs(self, batch: PackedBatch, micro: int) -> float:
+        """B's own learner inputs: its log-probs (the old ones with ``schedule.old_logprobs:
+        recompute``; entropies when the loss reads them), its reference's log-probs. Returns the
+        mean |B's log-prob − the engine's| over B's response tokens: near 0 when the engine sampled
+        B's outputs with B's weights."""
+        lp, ent = self.second.compute_logprobs(batch, micro, with_entropy=self.needs_entropy)
+        if self.cfg.schedule.old_logprobs == "recompute":
+            batch.old_logprobs = lp
+        if self.needs_entropy:
             batch.entropies = ent
         if self.reference is not None:
             batch.ref_logprobs = self.reference.compute_logprobs(batch, micro)[0]
+        m = batch.loss_mask.bool()
+        if not bool(m.any()):
+            return 0.0
+        return float((lp[m].double() - batch.rollout_logprobs[m].double()).abs().mean())
 
     def after_step(self, step: int, metrics: dict) -> dict[str, float]:
         """B's optimizer steps on its own outputs (collective); the step's Agon metrics."""
@@ -275,7 +282,7 @@ class Agon:
         if batch is None:
             return out
         s = self.cfg.schedule
-        self._inputs(batch, s.micro_batches)
+        out["agon/b_logprob_gap"] = self._inputs(batch, s.micro_batches)
         batch.advantages = self.estimator(batch, **self.estimator_knobs).to(torch.float32)
         gids = torch.unique(batch.group_ids).tolist()
         dp = self.ctx.groups.dp_size if self.ctx.groups is not None else 1
