@@ -103,7 +103,7 @@ def test_one_group_is_global_coverage_selection():
 
 
 def test_cli_writes_the_selected_rows_and_names_bad_rows(tmp_path, capsys):
-    rows = [{"prompt": f"R {i:03d}=", "answer": f"{i:03d}"[::-1], "score": (i % 5) / 4} for i in range(50)]
+    rows = [{"prompt": f"R {i:03d}=", "answer": f"{i:03d}"[::-1], "score": (i % 5) / 4} for i in range(30)]
     src = tmp_path / "train.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "sel.jsonl"
@@ -123,7 +123,7 @@ def test_cli_writes_the_selected_rows_and_names_bad_rows(tmp_path, capsys):
     assert main(args) == 0
     got = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(got) == 12 and all(r in rows for r in got)
-    assert "12 of 50 rows" in capsys.readouterr().out
+    assert "12 of 30 rows" in capsys.readouterr().out
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "score": -1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: field 'score' must be a number >= 0"):
         main([str(tmp_path / "bad.jsonl"), "--out", str(out), "--budget", "1", "--quality-field", "score"])
