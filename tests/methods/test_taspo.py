@@ -186,6 +186,19 @@ def test_mean_preserving_weights_equal_the_bisection_reference(w_hat, n, bounds)
     assert got[0, -1] == 1.0
 
 
+def test_estimator_state_reports_the_weights_and_checkpoints_nothing():
+    b = _batch(torch.Generator().manual_seed(7), 2.0)
+    state = ADVANTAGE_ESTIMATORS.info("taspo").make_state(lam=0.5)
+    got = EST(b, state=state)
+    assert torch.equal(got, EST(b))  # the state only watches
+    _, w, _, n = taspo_weights(b)
+    m = state.metrics()
+    assert m["adv/taspo_weight_dev"] == pytest.approx(float(((w - 1).abs() * n).sum() / n.sum()))
+    assert m["adv/taspo_weight_max"] == pytest.approx(float(w[n > 0].max()))
+    assert m["adv/turns_per_seq"] == pytest.approx(float((n > 0).sum(1).double().mean()))
+    assert m["adv/taspo_weight_dev"] > 0 and state.state_dict() == {}
+
+
 def test_bad_knobs_and_missing_inputs_are_named():
     b = _batch(torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="lam"):

@@ -24,6 +24,7 @@ import torch
 from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, scalar_rewards
 from megarl.methods.agents.taspo import own_logprobs, spread_advantages
 from megarl.methods.agents.turns import (
+    TurnWeightStats,
     check_bounds,
     mean_preserving_weights,
     token_turns,
@@ -88,16 +89,22 @@ def agent_opsd_weights(
 
 def _agent_opsd(
     batch, lam=0.5, rho=1.0, beta=1.0, prior_eps=0.05, delta=1e-6, w_lo=0.25, w_hi=2.0,
-    scale_by_std=True, eps=1e-6,
+    scale_by_std=True, eps=1e-6, state=None,
 ) -> torch.Tensor:  # fmt: skip
-    """AgentOPSD token advantages [T]."""
+    """AgentOPSD token advantages [T]; ``state`` (a ``TurnWeightStats``) keeps the weights' diagnostics."""
     adv, w, turn, _ = agent_opsd_weights(
         batch, lam, rho, beta, prior_eps, delta, w_lo, w_hi, scale_by_std, eps
     )
+    if state is not None:
+        state.record(w, turn_counts(turn, batch.seq_index(), batch.num_seqs, w.shape[1]))
     return spread_advantages(batch, adv, w, turn)
 
 
-ADVANTAGE_ESTIMATORS.add("agent_opsd", _agent_opsd, PartInfo(batch_inputs=("old_logprobs", LOGPROBS)))
+ADVANTAGE_ESTIMATORS.add(
+    "agent_opsd",
+    _agent_opsd,
+    PartInfo(batch_inputs=("old_logprobs", LOGPROBS), make_state=lambda **_: TurnWeightStats("agent_opsd")),
+)
 
 
 @dataclass

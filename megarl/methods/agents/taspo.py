@@ -24,6 +24,7 @@ from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, scalar_rewa
 from megarl.methods.agents import pi_bank
 from megarl.methods.agents.context_pass import context_logprobs
 from megarl.methods.agents.turns import (
+    TurnWeightStats,
     check_bounds,
     mean_preserving_weights,
     on_turn_tokens,
@@ -78,13 +79,23 @@ def spread_advantages(batch, adv: torch.Tensor, w: torch.Tensor, turn: torch.Ten
     return adv[seq] * on_turn_tokens(w, turn, seq, fill=1.0) * batch.loss_mask.double()
 
 
-def _taspo(batch, lam=0.5, w_lo=0.25, w_hi=2.0, delta=1e-6, scale_by_std=True, eps=1e-6) -> torch.Tensor:
-    """TASPO token advantages [T]."""
-    adv, w, turn, _ = taspo_weights(batch, lam, w_lo, w_hi, delta, scale_by_std, eps)
+def _taspo(
+    batch, lam=0.5, w_lo=0.25, w_hi=2.0, delta=1e-6, scale_by_std=True, eps=1e-6, state=None
+) -> torch.Tensor:
+    """TASPO token advantages [T]; ``state`` (a ``TurnWeightStats``) keeps the weights' diagnostics."""
+    adv, w, turn, n = taspo_weights(batch, lam, w_lo, w_hi, delta, scale_by_std, eps)
+    if state is not None:
+        state.record(w, n)
     return spread_advantages(batch, adv, w, turn)
 
 
-ADVANTAGE_ESTIMATORS.add("taspo", _taspo, PartInfo(batch_inputs=("old_logprobs", pi_bank.LOGPROBS)))
+ADVANTAGE_ESTIMATORS.add(
+    "taspo",
+    _taspo,
+    PartInfo(
+        batch_inputs=("old_logprobs", pi_bank.LOGPROBS), make_state=lambda **_: TurnWeightStats("taspo")
+    ),
+)
 
 
 @dataclass

@@ -100,3 +100,32 @@ def check_bounds(lam: float, w_lo: float, w_hi: float, where: str) -> None:
         raise ValueError(f"{where}.lam={lam} must be in [0, 1) (weights 1 ± λ stay positive)")
     if not (0.0 <= w_lo <= 1.0 <= w_hi < float("inf")):
         raise ValueError(f"{where}: bounds w_lo={w_lo}, w_hi={w_hi} need 0 <= w_lo <= 1 <= w_hi (finite)")
+
+
+class TurnWeightStats:
+    """An estimator's state that only reports the last batch's turn weights (nothing to checkpoint):
+    ``adv/<name>_weight_dev`` (token-weighted mean |w − 1|), ``adv/<name>_weight_max`` and
+    ``adv/turns_per_seq``."""
+
+    def __init__(self, name: str):
+        self.name, self.last = name, {}
+
+    def record(self, w: torch.Tensor, n: torch.Tensor) -> None:
+        """Keep the diagnostics of weights ``w`` [B, K] over turns with ``n`` [B, K] eligible tokens."""
+        valid, total = n > 0, float(n.sum())
+        self.last = {
+            f"adv/{self.name}_weight_dev": float(((w - 1).abs() * n).sum()) / total if total else 0.0,
+            f"adv/{self.name}_weight_max": float(w[valid].max()) if bool(valid.any()) else 1.0,
+            "adv/turns_per_seq": float(valid.sum(1).double().mean()) if valid.numel() else 0.0,
+        }
+
+    def metrics(self) -> dict[str, float]:
+        """The last batch's diagnostics."""
+        return dict(self.last)
+
+    def state_dict(self) -> dict:
+        """Nothing to save."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore."""
