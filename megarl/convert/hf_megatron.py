@@ -238,6 +238,11 @@ def _broadcast_from(
     return t
 
 
+def hf_tensor_names(model: torch.nn.Module, groups: ParallelGroups) -> list[str]:
+    """The names ``iter_hf_tensors`` yields, in its order, from the plan alone (no communication)."""
+    return [n for e in model_plan(model, groups) if not e.tied_copy for n in e.hf_names]
+
+
 @torch.no_grad()
 def iter_hf_tensors(model: torch.nn.Module, groups: ParallelGroups) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF-named tensor of the full model, in plan order, on every rank (collective)."""

@@ -1,58 +1,56 @@
 """Trainer side of the in-memory weight sync to a vLLM server (no checkpoint on disk).
 
 The trainer hosts a TCP store and joins a gloo group of ``1 + workers`` ranks with the server's
-workers (megarl/rollout/vllm_ext/megarl_vllm_receiver.py); each sync sends the HF-named tensors in
-buckets, one flat byte buffer per bucket broadcast from rank 0, while the server reloads them in
-place as they arrive. Gloo runs over TCP on CPU and on GPU hosts alike (a GPU run stages the tensors
-through host memory; an NCCL channel is the faster path there and is not built here).
+workers (megarl/rollout/vllm_ext/megarl_vllm_receiver.py, which also defines the stream: per bucket
+a header length, a JSON header of names, dtypes and shapes, one byte buffer; 0 ends, -1 aborts).
+Buckets are sent as they come, so a caller can stream them straight from the learner's gather
+without a full copy of the model. Gloo runs over TCP on CPU and GPU hosts alike (a GPU run stages
+the tensors through host memory; an NCCL channel, the fast path there, is not built).
 """
 
 from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from megarl.rollout.vllm_ext.megarl_vllm_receiver import ABORT, END, crc32
+
 DEFAULT_BUCKET_BYTES = 256 << 20
 RECEIVER_CLASS = "megarl_vllm_receiver.MegarlWeightReceiver"
+Bucket = dict[str, torch.Tensor]
 
 
-def plan_buckets(
-    state: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> list[list[tuple[str, torch.Tensor]]]:
+def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
     """Consecutive groups of ``state``'s tensors of at most ``bucket_bytes`` each (a larger tensor
     gets a bucket of its own), in ``state``'s order."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    buckets: list[Bucket] = [{}]
     size = 0
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()
         if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
+            buckets.append({})
             size = 0
-        buckets[-1].append((name, t))
+        buckets[-1][name] = t
         size += nbytes
     return [b for b in buckets if b]
 
 
-def manifest(buckets: list[list[tuple[str, torch.Tensor]]]) -> str:
-    """What the receiver needs to split each bucket: JSON {"buckets": [[[name, dtype, shape], ...]]}."""
+def bucket_header(bucket: Bucket) -> bytes:
+    """The JSON header of one bucket: ``[[name, dtype, shape], ...]``."""
     return json.dumps(
-        {
-            "buckets": [
-                [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in bucket]
-                for bucket in buckets
-            ]
-        }
-    )
+        [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in bucket.items()]
+    ).encode()
 
 
-def flat_bytes(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+def flat_bytes(bucket: Bucket) -> torch.Tensor:
     """One bucket as a flat uint8 CPU buffer (the tensors' bytes back to back)."""
-    parts = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+    parts = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in bucket.values()]
     return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
@@ -92,13 +90,31 @@ class WeightChannel:
         """Join the group as rank 0 (blocks until every worker has joined)."""
         self.group = dist.ProcessGroupGloo(self.store, 0, self.world_size, timedelta(seconds=self.timeout_s))
 
-    def send(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> int:
-        """Broadcast every bucket from rank 0; returns the bytes sent."""
+    def _broadcast(self, t: torch.Tensor) -> None:
+        self.group.broadcast(t, 0).wait()  # type: ignore[attr-defined]
+
+    def _length(self, n: int) -> None:
+        self._broadcast(torch.tensor([n], dtype=torch.int64))
+
+    def send(self, buckets: Iterable[Bucket]) -> list[int]:
+        """Stream every bucket, then the end marker; returns the buckets' CRC-32s. An error while
+        the buckets are produced sends the abort marker (the receivers stop) and is re-raised."""
         if self.group is None:
             raise RuntimeError("weight channel: send before join")
-        sent = 0
-        for bucket in buckets:
-            buf = flat_bytes(bucket)
-            self.group.broadcast(buf, 0).wait()  # type: ignore[attr-defined]
-            sent += buf.numel()
-        return sent
+        crcs = []
+        try:
+            for bucket in buckets:
+                header = bucket_header(bucket)
+                self._length(len(header))
+                self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+                buf = flat_bytes(bucket)
+                self._broadcast(buf)
+                crcs.append(crc32(buf))
+        except BaseException:
+            try:
+                self._length(ABORT)
+            except Exception:  # the group itself broke: the receivers time out
+                pass
+            raise
+        self._length(END)
+        return crcs

@@ -170,12 +170,22 @@ class EnginePool(RolloutEngine):
             self.weight_version = version
 
     async def update_weights_from_tensors(self, state: dict, version: str | None = None) -> None:
-        """Send in-memory weights to every up engine, one after another (each has its own channel);
-        an engine that fails the sync is marked down."""
+        """Send in-memory weights to every up engine; see ``update_weights_streamed``."""
+        from megarl.rollout.memory_sync import plan_buckets
+
+        await self.update_weights_streamed(list(state), plan_buckets(state), version)
+
+    async def update_weights_streamed(self, names: list, buckets, version: str | None = None) -> None:
+        """Stream weights to every up engine, one after another (each has its own channel; with
+        more than one the buckets are held so that each engine gets them all); an engine that fails
+        the sync is marked down."""
+        ups = [m for m in self.members if m.down_reason is None]
+        if len(ups) > 1:
+            buckets = list(buckets)
         first_err = None
-        for m in [m for m in self.members if m.down_reason is None]:
+        for m in ups:
             try:
-                await m.engine.update_weights_from_tensors(state, version)
+                await m.engine.update_weights_streamed(names, buckets, version)
             except EngineDeadError as e:
                 self.mark_down(m.engine, f"in-memory weight sync failed: {e}")
             except Exception as e:  # e.g. WeightsDirError: nothing was sent, the engine untouched

@@ -12,7 +12,7 @@ therefore marks this server dead.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from megarl.rollout.http_base import HttpEngine
@@ -174,41 +174,52 @@ class VLLMEngine(HttpEngine):
             await super().resume()
 
     async def update_weights_from_tensors(self, state: dict, version: str | None = None) -> None:
-        """Send the HF-named tensors ``state`` to the server in memory (no checkpoint on disk) and
-        reload them in place while serving; in-flight requests finish first.
+        """Send the HF-named tensors ``state`` to the server in memory; see ``update_weights_streamed``."""
+        from megarl.rollout.memory_sync import plan_buckets
+
+        await self.update_weights_streamed(list(state), plan_buckets(state), version)
+
+    async def update_weights_streamed(
+        self, names: list[str], buckets: Iterable[dict], version: str | None = None
+    ) -> None:
+        """Stream ``buckets`` (dicts of HF-named tensors, consumed once, e.g. straight from the
+        learner's gather) to the server's workers, which reload them in place while serving;
+        in-flight requests finish first. ``names``: every tensor the buckets will hold.
 
         Needs a server started with megarl's weight receiver (``launch_vllm`` adds it). Raises
-        ``WeightsDirError`` naming the tensors (nothing sent) when the names differ from the served
-        model's, and ``EngineDeadError`` (server marked dead) when the server fails the reload.
+        ``WeightsDirError`` naming the tensors (nothing sent) when ``names`` differ from the served
+        model's, and ``EngineDeadError`` (server marked dead) when the sync fails part-way or a
+        bucket's CRC-32 on the server differs from the trainer's.
         """
         import asyncio
 
-        from megarl.rollout.memory_sync import manifest, plan_buckets
         from megarl.rollout.types import WeightsDirError
 
         if self._reference_names is not None:
-            missing = sorted(self._reference_names - set(state))
-            unknown = sorted(set(state) - self._reference_names)
+            missing = sorted(self._reference_names - set(names))
+            unknown = sorted(set(names) - self._reference_names)
             if missing or unknown:
                 raise WeightsDirError(
                     f"{self.name}: in-memory weights do not match the served model: "
                     f"missing {missing[:5]}, unknown {unknown[:5]}"
                 )
-        buckets = plan_buckets(state)
         await super().pause()
         try:
             await self.request("POST", "/pause", params={"mode": "wait"}, admin=True)
             channel = await self._weight_channel()
-            try:
-                await asyncio.gather(
-                    self._rpc("megarl_receive_weights", manifest=manifest(buckets)),
-                    asyncio.to_thread(channel.send, buckets),
-                )
-            except Exception as e:
-                self.mark_dead(f"in-memory weight sync failed: {e}")
+            received, sent = await asyncio.gather(
+                self._rpc("megarl_receive_weights"),
+                asyncio.to_thread(channel.send, buckets),
+                return_exceptions=True,
+            )
+            failure = next((o for o in (sent, received) if isinstance(o, BaseException)), None)
+            if failure is None and any(r.get("crc32") != sent for r in received):
+                failure = RolloutError(f"bucket checksums differ: sent {sent}, workers {received}")
+            if failure is not None:
+                self.mark_dead(f"in-memory weight sync failed: {failure}")
                 raise EngineDeadError(
-                    f"{self.name}: in-memory weight sync failed; the server must be restarted ({e})"
-                ) from e
+                    f"{self.name}: in-memory weight sync failed; the server must be restarted ({failure})"
+                ) from failure
             await self.request("POST", "/reset_prefix_cache", admin=True)
             await self._set_version(version)
             await self.request("POST", "/resume", admin=True)

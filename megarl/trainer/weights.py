@@ -56,16 +56,19 @@ def push_weights(run: Any, version: int | str, learner: Any = None) -> None:
             run.loop.run_until_complete(run.engine.update_weights_from_tensors(state, str(version)))
         return
     if weight_sync_mode(run.cfg.rollout) == "memory":
-        from megarl.convert.hf_megatron import iter_hf_tensors
+        from megarl.convert.hf_megatron import hf_tensor_names, iter_hf_buckets
+        from megarl.rollout.memory_sync import DEFAULT_BUCKET_BYTES
 
         model = learner or run.learner
-        tensors = iter_hf_tensors(model.model, model.groups)  # collective: every rank gathers
-        if run.engine is None:
-            for _ in tensors:
+        # collective: every rank gathers bucket by bucket; the engine's rank sends each as it comes
+        buckets = iter_hf_buckets(model.model, model.groups, DEFAULT_BUCKET_BYTES)
+        try:
+            if run.engine is not None:
+                names = hf_tensor_names(model.model, model.groups)
+                run.loop.run_until_complete(run.engine.update_weights_streamed(names, buckets, str(version)))
+        finally:
+            for _ in buckets:  # what the send did not take (none, or after a failure): keep ranks in step
                 pass
-            return
-        state = dict(tensors)  # the engine's rank holds one full copy while it sends
-        run.loop.run_until_complete(run.engine.update_weights_from_tensors(state, str(version)))
         return
     wdir = export_dir(run, version, learner)
     if run.engine is not None:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.rollout.memory_sync import flat_bytes, manifest, plan_buckets
 from megarl.rollout.types import SamplingParams, WeightsDirError
 from tests.rollout.conftest import PROMPT
 from tests.rollout.hf_reference import hf_greedy
@@ -22,22 +21,6 @@ def _state(model_dir) -> dict[str, torch.Tensor]:
     for f in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(f)))
     return state
-
-
-def test_buckets_keep_order_and_bytes():
-    state = {
-        "a": torch.arange(6, dtype=torch.float32).view(2, 3),
-        "b": torch.ones(5, dtype=torch.bfloat16),
-        "c": torch.arange(3, dtype=torch.int64),
-    }
-    buckets = plan_buckets(state, bucket_bytes=40)  # 24 + 10 bytes fit, + 24 more do not
-    assert [[n for n, _ in b] for b in buckets] == [["a", "b"], ["c"]]
-    spec = manifest(buckets)
-    assert '"bfloat16"' in spec and "[2, 3]" in spec
-    raw = flat_bytes(buckets[0])
-    assert raw.numel() == 24 + 10
-    assert torch.equal(raw[:24].view(torch.float32).view(2, 3), state["a"])
-    assert torch.equal(raw[24:].view(torch.bfloat16), state["b"])
 
 
 def test_memory_sync_matches_transformers_and_refuses_foreign_names(vllm_server, tiny_models):

@@ -4,20 +4,66 @@ point-to-point gloo group, without a checkpoint on disk.
 Runs in the vLLM venv (``--worker-extension-cls megarl_vllm_receiver.MegarlWeightReceiver``, this
 directory on PYTHONPATH); imports only the standard library and torch. Every vLLM worker (one per
 TP/PP rank) joins one group with the trainer (rank 0, which hosts the store): worker ``r`` is rank
-``1 + r``. The trainer sends the HF-named tensors in buckets, each bucket one flat byte buffer
-broadcast from rank 0; the workers feed them to vLLM's in-place reload as they arrive, so no full
-second copy of the model is held. The methods are called through ``/collective_rpc`` with JSON
-string arguments.
+``1 + r``. The methods are called through ``/collective_rpc`` with JSON string arguments.
+
+The stream of one sync, every message broadcast from rank 0 (megarl/rollout/memory_sync.py writes
+it): per bucket an int64 header length, the header (UTF-8 JSON: ``[[name, dtype, shape], ...]``)
+and the bucket's tensors as one byte buffer; a header length of 0 ends the sync, -1 aborts it. The
+workers feed the tensors to vLLM's in-place reload as they arrive (no second full copy of the
+model) and return the CRC-32 of every bucket, which the trainer compares with its own.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+END, ABORT = 0, -1
+
+
+class SyncAborted(RuntimeError):
+    """The trainer aborted the sync part-way (the weights are partly new)."""
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def crc32(buf: torch.Tensor) -> int:
+    """CRC-32 of a uint8 CPU buffer's bytes."""
+    return zlib.crc32(memoryview(buf.numpy())) if buf.numel() else 0
+
+
+def receive_buckets(group, crcs: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a sync stream on ``group`` as each bucket arrives; appends each
+    bucket's CRC-32 to ``crcs``. Raises ``SyncAborted`` on the abort marker."""
+    while True:
+        length = torch.zeros(1, dtype=torch.int64)
+        group.broadcast(length, 0).wait()
+        n = int(length.item())
+        if n == END:
+            return
+        if n == ABORT:
+            raise SyncAborted("the trainer aborted the weight sync part-way")
+        header = torch.empty(n, dtype=torch.uint8)
+        group.broadcast(header, 0).wait()
+        specs = [
+            (name, getattr(torch, dt), tuple(shape)) for name, dt, shape in json.loads(bytes(header.numpy()))
+        ]
+        sizes = [torch.Size(shape).numel() * element_size(dt) for _, dt, shape in specs]
+        buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        group.broadcast(buf, 0).wait()
+        crcs.append(crc32(buf))
+        offset = 0
+        for (name, dt, shape), size in zip(specs, sizes):
+            yield name, buf[offset : offset + size].view(dt).view(shape)
+            offset += size
 
 
 class MegarlWeightReceiver:
@@ -31,16 +77,11 @@ class MegarlWeightReceiver:
         """Join the trainer's group: ``channel`` = JSON {host, port, world_size, timeout_s}."""
         c = json.loads(channel)
         rank = 1 + int(getattr(self, "rank", 0))
+        timeout = timedelta(seconds=float(c["timeout_s"]))
         store = dist.TCPStore(
-            c["host"],
-            int(c["port"]),
-            int(c["world_size"]),
-            is_master=False,
-            timeout=timedelta(seconds=float(c["timeout_s"])),
+            c["host"], int(c["port"]), int(c["world_size"]), is_master=False, timeout=timeout
         )
-        self._megarl_group = dist.ProcessGroupGloo(
-            store, rank, int(c["world_size"]), timedelta(seconds=float(c["timeout_s"]))
-        )
+        self._megarl_group = dist.ProcessGroupGloo(store, rank, int(c["world_size"]), timeout)
         self._megarl_store = store
         return f"rank {rank} joined"
 
@@ -50,24 +91,12 @@ class MegarlWeightReceiver:
         self._megarl_store = None
         return "closed"
 
-    def _megarl_stream(self, buckets: list) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) pairs as each bucket arrives. ``buckets``: [[[name, dtype, shape], ...], ...]."""
-        for bucket in buckets:
-            specs = [(name, getattr(torch, dtype), tuple(shape)) for name, dtype, shape in bucket]
-            sizes = [
-                torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for _, dt, shape in specs
-            ]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8)
-            self._megarl_group.broadcast(buf, 0).wait()
-            offset = 0
-            for (name, dt, shape), size in zip(specs, sizes):
-                yield name, buf[offset : offset + size].view(dt).view(shape)
-                offset += size
-
-    def megarl_receive_weights(self, manifest: str) -> str:
-        """Receive the buckets ``manifest`` (JSON {"buckets": [...]}) lists and reload them in place."""
-        buckets = json.loads(manifest)["buckets"]
+    def megarl_receive_weights(self) -> dict:
+        """Receive one sync stream and reload its tensors in place; returns the buckets' CRC-32s."""
         if getattr(self, "_megarl_group", None) is None:
             raise RuntimeError("megarl_receive_weights: no channel open (megarl_open_channel first)")
-        self.reload_weights(weights_iterator=self._megarl_stream(buckets), is_checkpoint_format=True)
-        return f"{sum(len(b) for b in buckets)} tensors"
+        crcs: list[int] = []
+        self.reload_weights(  # type: ignore[attr-defined]  (vLLM's worker method)
+            weights_iterator=receive_buckets(self._megarl_group, crcs), is_checkpoint_format=True
+        )
+        return {"crc32": crcs}
