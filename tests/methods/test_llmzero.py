@@ -25,7 +25,7 @@ from megarl.methods.allocation.llmzero_tree import SearchTree
 from megarl.plugin.knobs import build_knobs
 from reference import allocation as ref
 
-FAST = settings(max_examples=25, deadline=None)
+FAST = settings(max_examples=15, deadline=None)
 SPACE = {"optimizer.lr": [1e-4, 3e-4, 1e-3], "rollout.max_new_tokens": [6, 8, 12], "rollout.n": [4, 8]}
 FIELDS = ("id", "parent", "depth", "config", "children", "visits", "value_sum", "value", "done")
 

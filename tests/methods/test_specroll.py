@@ -19,7 +19,7 @@ from megarl.rollout.embedded import EmbeddedEngine, teacher_forced_logprobs
 from megarl.rollout.types import SamplingParams
 from reference import rollout as ref
 
-FAST = settings(max_examples=20, deadline=None)
+FAST = settings(max_examples=12, deadline=None)
 V = 4
 
 
@@ -81,12 +81,12 @@ def test_plugin_round_equals_reference_draw_for_draw(seed, S, K, temp0):
 
 
 def test_plugin_sampler_chi_square_and_acceptance():
-    """8000 draws of the plugin's recursive rejection (2 siblings from a q far from p) fit p; the
+    """3000 draws of the plugin's recursive rejection (2 siblings from a q far from p) fit p; the
     first candidate's acceptance rate is sum min(p, q) within 4 sigma. Control: emitting the first
     draft unverified (samples of q) fails the same test."""
     p, q = _dist(1, v=6), _dist(7, v=6, sharp=1.0)
     gen = torch.Generator().manual_seed(0)
-    N, counts, raw, first_acc = 8000, torch.zeros(6), torch.zeros(6), 0
+    N, counts, raw, first_acc = 3000, torch.zeros(6), torch.zeros(6), 0
     for _ in range(N):
         cands = torch.multinomial(q, 2, replacement=True, generator=gen).tolist()
         tok, idx = verify_candidates(p, q, cands, gen)
@@ -159,14 +159,14 @@ def _gen(engine, n, seed, max_new=2, temperature=1.0, prompt=(1, 2, 3)):
 
 
 def test_engine_output_law_and_logprobs():
-    """240 two-token samples of the engine with the decoder (depth 1, 2 siblings) fit the model's
+    """100 two-token samples of the engine with the decoder (depth 1, 2 siblings) fit the model's
     exact law over the V^2 sequences; every logprob is the teacher-forced one; both accept and
     reject paths ran. Control: the drafter's own proposals do not fit."""
     eng = _tiny_engine()
     prompt = [1, 2, 3]
     law = _law(eng, prompt)
     part = _part(eng, depth=1, width=2)
-    samples = _gen(eng, 240, seed=11)
+    samples = _gen(eng, 100, seed=11)
     counts = torch.zeros(V * V)
     for s in samples:
         counts[s.token_ids[0] * V + s.token_ids[1]] += 1
@@ -201,13 +201,13 @@ def test_slow_path_retrains_heads_and_state_round_trips():
     """Acceptance below the threshold for `slow_patience` steps fine-tunes the heads (their loss
     on the buffer falls, acceptance rises); the state restores into a fresh part exactly."""
     eng = _tiny_engine(seed=2)
-    part = _part(eng, depth=2, slow_threshold=10.0, slow_patience=2, slow_steps=60, slow_lr=0.05)
+    part = _part(eng, depth=2, slow_threshold=10.0, slow_patience=2, slow_steps=40, slow_lr=0.05)
     res = []
     for step in range(3):
-        _gen(eng, 8, seed=step, max_new=8)
+        _gen(eng, 6, seed=step, max_new=6)
         res.append(asyncio.run(part.process(None)).metrics)
     assert res[0]["specroll/slow_updates"] == 0 and res[1]["specroll/slow_updates"] == 1
-    _gen(eng, 16, seed=9, max_new=8)
+    _gen(eng, 12, seed=9, max_new=6)
     after = part.decoder.take_stats()
     assert res[1]["specroll/slow_loss"] < 1.5
     assert after["accepted"] / after["rounds"] > res[0]["specroll/accept_len"]
