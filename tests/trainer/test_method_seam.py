@@ -52,6 +52,9 @@ METHOD_NAMES = (
     "otb",
     "sum_pi_squared",
     "dro",
+    "srpo",
+    "crpo",
+    "reflectrl",
 )
 BASE = {
     "model": {"hf_config": {"model_type": "qwen3", "vocab_size": 32}, "alphabet": "0123456789R= "},
