@@ -198,6 +198,7 @@ def _state_summary(run) -> dict:
     fresh = MethodRuntime.build_learner_side(ctx, run.spec)
     fresh.build_rank0_side(ctx, run.spec, run.method_knobs)
     fresh.load_state_dict(meth, rank0=dist.get_rank() == 0)
+    fresh.close()  # parts holding resources (clients, an engine's decode loop) let them go
     summary = {"inputs": ["estimator"] if meth["estimator"] is not None else []}
     names = {"ShapingProcessor": "shaping", "RRPOScorer": "rrpo"}
     for proc, st in zip(run.method.round_processors, meth["round_processors"]):
@@ -299,7 +300,9 @@ def run_example(run, name: str, cfg, init_dir: Path, steps: int) -> dict:
         rec = trainer.step(s)
         rec["wall_s"] = time.time() - t0
         recs.append({k: v for k, v in rec.items() if isinstance(v, (int, float, str))})
-    return {"steps": recs, "param_change": _max_change(before, run), "state": _state_summary(run)}
+    state = _state_summary(run)
+    run.method.close()  # as Trainer.finish does: the shared engine goes on to the next example as it was
+    return {"steps": recs, "param_change": _max_change(before, run), "state": state}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,12 @@ def check_signal(name: str, r: dict) -> None:
     if name == "sara":  # streaming allocation: per-prompt decisions, history checkpointed
         assert st["method"]["allocator"] == ["history", "mu", "totals"], st
         assert len(_any(r, "alloc/prompts_opened")) == STEPS and len(_any(r, "budget/samples")) == STEPS
+    if name == "specroll":  # every rollout went through the speculative decoder; its heads are checkpointed
+        tpf = _any(r, "specroll/tokens_per_forward")
+        assert len(tpf) == STEPS and all(t >= 1.0 for t in tpf), tpf
+        assert st["method"]["SpecRollPart"] == ["buffer", "ema", "heads", "low", "slow_updates", "totals"], st
+    if name == "llmzero":  # as a run: the diagnoser's flags every step, its window checkpointed
+        assert len(_any(r, "llmzero/kl_high")) == STEPS and st["method"]["step_hooks"] == [["recent"]], st
     if name == "pair":  # prefix-then-continue: prefixes and continuations counted, predictor checkpointed
         assert st["method"]["allocator"] == ["cont_len", "history", "totals", "weights"], st
         assert len(_any(r, "alloc/continuation_tokens")) == STEPS and len(_any(r, "pair/kept_frac")) == STEPS
