@@ -2,7 +2,7 @@
 
 The trainer hosts a TCP store and joins a gloo group of ``1 + workers`` ranks with the server's
 workers (megarl/rollout/vllm_ext/megarl_vllm_receiver.py, which also defines the stream: per bucket
-a header length, a JSON header of names, dtypes and shapes, one byte buffer; 0 ends, -1 aborts).
+a header length, a JSON header of names, dtypes and shapes, each tensor's bytes; 0 ends, -1 aborts).
 Buckets are sent as they come, so a caller can stream them straight from the learner's gather
 without a full copy of the model. Gloo runs over TCP on CPU and GPU hosts alike (a GPU run stages
 the tensors through host memory; an NCCL channel, the fast path there, is not built).
@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.vllm_ext.megarl_vllm_receiver import ABORT, END, crc32
+from megarl.rollout.vllm_ext.megarl_vllm_receiver import ABORT, END, byte_view, crc32
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 RECEIVER_CLASS = "megarl_vllm_receiver.MegarlWeightReceiver"
@@ -46,12 +46,6 @@ def bucket_header(bucket: Bucket) -> bytes:
     return json.dumps(
         [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in bucket.items()]
     ).encode()
-
-
-def flat_bytes(bucket: Bucket) -> torch.Tensor:
-    """One bucket as a flat uint8 CPU buffer (the tensors' bytes back to back)."""
-    parts = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in bucket.values()]
-    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
 def channel_host(server_url: str) -> str:
@@ -107,9 +101,12 @@ class WeightChannel:
                 header = bucket_header(bucket)
                 self._length(len(header))
                 self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-                buf = flat_bytes(bucket)
-                self._broadcast(buf)
-                crcs.append(crc32(buf))
+                value = 0
+                for t in bucket.values():  # each tensor's own bytes: no concatenated copy
+                    raw = byte_view(t.detach().to("cpu").contiguous())
+                    self._broadcast(raw)
+                    value = crc32(raw, value)
+                crcs.append(value)
         except BaseException:
             try:
                 self._length(ABORT)

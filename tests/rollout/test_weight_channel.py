@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from megarl.rollout.memory_sync import WeightChannel, bucket_header, flat_bytes, plan_buckets
+from megarl.rollout.memory_sync import WeightChannel, bucket_header, plan_buckets
 from megarl.rollout.vllm_ext.megarl_vllm_receiver import MegarlWeightReceiver, SyncAborted
 
 
@@ -55,7 +55,7 @@ def _receive(worker: CollectingWorker, out: dict) -> threading.Thread:
     return t
 
 
-def test_buckets_keep_order_and_bytes():
+def test_buckets_keep_order_and_headers_name_dtype_and_shape():
     state = {
         "a": torch.arange(6, dtype=torch.float32).view(2, 3),
         "b": torch.ones(5, dtype=torch.bfloat16),
@@ -64,10 +64,6 @@ def test_buckets_keep_order_and_bytes():
     buckets = plan_buckets(state, bucket_bytes=40)  # 24 + 10 bytes fit, + 24 more do not
     assert [list(b) for b in buckets] == [["a", "b"], ["c"]]
     assert b'"bfloat16"' in bucket_header(buckets[0]) and b"[2, 3]" in bucket_header(buckets[0])
-    raw = flat_bytes(buckets[0])
-    assert raw.numel() == 24 + 10
-    assert torch.equal(raw[:24].view(torch.float32).view(2, 3), state["a"])
-    assert torch.equal(raw[24:].view(torch.bfloat16), state["b"])
 
 
 def test_a_stream_arrives_bit_exact_with_matching_checksums_twice_on_one_channel():

@@ -8,7 +8,7 @@ TP/PP rank) joins one group with the trainer (rank 0, which hosts the store): wo
 
 The stream of one sync, every message broadcast from rank 0 (megarl/rollout/memory_sync.py writes
 it): per bucket an int64 header length, the header (UTF-8 JSON: ``[[name, dtype, shape], ...]``)
-and the bucket's tensors as one byte buffer; a header length of 0 ends the sync, -1 aborts it. The
+and then each tensor's bytes; a header length of 0 ends the sync, -1 aborts it. The
 workers feed the tensors to vLLM's in-place reload as they arrive (no second full copy of the
 model) and return the CRC-32 of every bucket, which the trainer compares with its own.
 """
@@ -30,19 +30,20 @@ class SyncAborted(RuntimeError):
     """The trainer aborted the sync part-way (the weights are partly new)."""
 
 
-def element_size(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor's bytes as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
 
 
-def crc32(buf: torch.Tensor) -> int:
-    """CRC-32 of a uint8 CPU buffer's bytes."""
-    return zlib.crc32(memoryview(buf.numpy())) if buf.numel() else 0
+def crc32(buf: torch.Tensor, value: int = 0) -> int:
+    """CRC-32 of a uint8 CPU buffer's bytes, continuing from ``value`` (chains over tensors)."""
+    return zlib.crc32(memoryview(buf.numpy()), value) if buf.numel() else value
 
 
 def receive_buckets(group, crcs: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a sync stream on ``group`` as each bucket arrives; appends each
-    bucket's CRC-32 to ``crcs``. Raises ``SyncAborted`` on the abort marker."""
+    """(name, tensor) pairs of a sync stream on ``group`` as each tensor arrives; appends each
+    bucket's CRC-32 (over its tensors' bytes in order) to ``crcs``. Raises ``SyncAborted`` on the
+    abort marker."""
     while True:
         length = torch.zeros(1, dtype=torch.int64)
         group.broadcast(length, 0).wait()
@@ -53,17 +54,13 @@ def receive_buckets(group, crcs: list[int]) -> Iterator[tuple[str, torch.Tensor]
             raise SyncAborted("the trainer aborted the weight sync part-way")
         header = torch.empty(n, dtype=torch.uint8)
         group.broadcast(header, 0).wait()
-        specs = [
-            (name, getattr(torch, dt), tuple(shape)) for name, dt, shape in json.loads(bytes(header.numpy()))
-        ]
-        sizes = [torch.Size(shape).numel() * element_size(dt) for _, dt, shape in specs]
-        buf = torch.empty(sum(sizes), dtype=torch.uint8)
-        group.broadcast(buf, 0).wait()
-        crcs.append(crc32(buf))
-        offset = 0
-        for (name, dt, shape), size in zip(specs, sizes):
-            yield name, buf[offset : offset + size].view(dt).view(shape)
-            offset += size
+        value = 0
+        for name, dt, shape in json.loads(bytes(header.numpy())):
+            t = torch.empty(shape, dtype=getattr(torch, dt))
+            group.broadcast(byte_view(t), 0).wait()
+            value = crc32(byte_view(t), value)
+            yield name, t
+        crcs.append(value)
 
 
 class MegarlWeightReceiver:
