@@ -92,7 +92,7 @@ MEANINGS: dict[str, str] = {
     "schedule.ppo_epochs": "passes over each step's batch",
     "schedule.mini_batches": "optimizer steps per pass (whole groups per mini-batch)",
     "schedule.micro_batches": "gradient-accumulation micro-batches per optimizer step",
-    "schedule.old_logprobs": "the PPO ratio's denominator: recomputed by the learner before the update, or the engine's logprobs",
+    "schedule.old_logprobs": "the PPO ratio's denominator: recomputed by the learner before the update (taken from the training forward when the step is exactly one optimizer step and nothing reads them earlier), or the engine's logprobs",
     "schedule.seed": "seed of the prompt order and of the per-request sampling seeds",
     "checkpoint.every": "checkpoint every N steps (and at the last step and on SIGTERM/SIGUSR1)",
     "checkpoint.keep_last": "number of checkpoints kept",
