@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from megarl.batch import PackedBatch
-from megarl.methods.distillation.self_teacher import ON, self_teacher_logprobs
+from megarl.methods.agents.context_pass import ContextLogprobs
+from megarl.methods.distillation.self_teacher import ON
 from megarl.plugin.inputs import InputProvider, register_provider
 
 COACH_ROWS = "coach_context"
@@ -26,33 +27,16 @@ COACH_LOGPROBS = "coach_logprobs"
 INSTRUCTION_LOGPROBS = "instruction_logprobs"
 
 
-def rows_of(batch: PackedBatch, key: str, needed_by: str) -> torch.Tensor:
-    """``batch.extras[key]`` as [B, K] float64 rows (an error names who needs them)."""
-    rows = batch.extras.get(key)
-    if rows is None:
-        raise ValueError(f"{needed_by}: the batch carries no '{key}' rows (extras['{key}'])")
-    rows = torch.as_tensor(rows, dtype=torch.float64)
-    if rows.dim() != 2 or rows.shape[0] != batch.num_seqs:
-        raise ValueError(
-            f"{needed_by}: extras['{key}'] has shape {tuple(rows.shape)}, want [{batch.num_seqs}, K]"
-        )
-    return rows
-
-
-class ContextTeacher:
-    """The learner pass of the module docstring for the rows in ``extras[key]``."""
+class ContextTeacher(ContextLogprobs):
+    """The learner pass of the module docstring for the rows in ``extras[key]``: ``ContextLogprobs``
+    writing ``batch.self_teacher_logprobs`` and ``extras['self_teacher_on']``."""
 
     def __init__(self, policy: Any, key: str, name: str, needs: tuple[str, ...] = ()):
-        self.policy, self.key, self.name = policy, key, name
-        self.needs_inputs = needs  # round inputs it reads (none when the workflow writes the rows)
+        super().__init__(policy, key, name, ON, needs)
 
-    def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
-        """In place (collective); the fraction of sequences forwarded with a context."""
-        rows = rows_of(batch, self.key, self.name)
-        lp, has = self_teacher_logprobs(self.policy, batch, rows, micro_batches, "with_context")
+    def store(self, batch: PackedBatch, lp: torch.Tensor) -> None:
+        """The logprobs [T] are the batch's ``self_teacher_logprobs``."""
         batch.self_teacher_logprobs = lp
-        batch.extras[ON] = has.to(torch.float64)
-        return {f"{self.name}/forwarded_frac": float(has.double().mean()) if has.numel() else 0.0}
 
 
 register_provider(
