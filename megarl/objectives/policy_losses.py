@@ -17,6 +17,12 @@ PolicyLoss = Callable[..., torch.Tensor]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy_loss")
 
 
+def seq_to_tokens(per_seq: torch.Tensor, seq_lens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-sequence values [B] repeated over each sequence's tokens [T], in ``like``'s dtype and
+    device (a loss's per-sequence weight or mask read from ``batch.extras``)."""
+    return per_seq.to(like.dtype).to(like.device).repeat_interleave(seq_lens.to(like.device))
+
+
 @POLICY_LOSSES.register("ppo")
 def ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low=0.2, clip_high=0.28, dual_clip: float | None = None):
     """PPO clip with asymmetric bounds and optional dual clip (A < 0)."""

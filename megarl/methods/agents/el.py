@@ -26,7 +26,7 @@ from megarl.methods.agents.context_teacher import COACH_LOGPROBS, COACH_ROWS
 from megarl.methods.critics.privileged import context_row
 from megarl.methods.distillation.self_teacher import ON
 from megarl.objectives.distillation import sampled_reverse_kl_term
-from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
+from megarl.objectives.policy_losses import POLICY_LOSSES, ppo, seq_to_tokens
 from megarl.plugin.inputs import InputProvider, register_provider
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.rounds import RolloutRound, RoundResult
@@ -174,29 +174,16 @@ def el_loss(
         raise ValueError(
             f"policy_loss=el needs 'self_teacher_logprobs' and extras['{ON}'] ({COACH_LOGPROBS})"
         )
-    on = batch.extras[ON].to(logp.dtype).to(logp.device).repeat_interleave(batch.seq_lens.to(logp.device))
+    on = seq_to_tokens(batch.extras[ON], batch.seq_lens, logp)
     out = on * sampled_reverse_kl_term(logp, old_logp, teacher.to(logp.dtype))
     if rl_coef:
         out = out + rl_coef * ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low, clip_high, dual_clip)
     return out
 
 
-def _token_metrics(
-    logp,
-    old_logp,
-    adv,
-    mask,
-    cu_seqlens,
-    clip_low=None,
-    clip_high=None,
-    dual_clip=None,
-    *,
-    rl_coef: float = 0.0,
-    batch=None,
-    ctx=None,
-):
+def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, *, batch, **_):
     """Per token: whether it is coached, and the teacher-minus-student gap ℓ_t there."""
-    on = batch.extras[ON].to(logp.dtype).repeat_interleave(batch.seq_lens)
+    on = seq_to_tokens(batch.extras[ON], batch.seq_lens, logp)
     return {"coached": on, "gap": on * (batch.self_teacher_logprobs.to(logp.dtype) - old_logp)}
 
 

@@ -69,20 +69,7 @@ def ice_loss(
     return pg + sd_coef * distilled(adv, mask, cu_seqlens, batch).to(logp.dtype) * sd
 
 
-def _token_metrics(
-    logp,
-    old_logp,
-    adv,
-    mask,
-    cu_seqlens,
-    clip_low=None,
-    clip_high=None,
-    dual_clip=None,
-    *,
-    sd_coef: float = 1.0,
-    batch=None,
-    ctx=None,
-):
+def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, *, batch, **_):
     """Per token: whether it is distilled, and the sampled KL estimate there."""
     on = distilled(adv, mask, cu_seqlens, batch).to(logp.dtype)
     return {"sd_frac": on, "sd_kl": on * (batch.self_teacher_logprobs.to(logp.dtype) - logp.detach())}

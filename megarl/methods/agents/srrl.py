@@ -34,7 +34,7 @@ import torch
 
 from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo
 from megarl.batch import TOKEN_FIELDS, PackedBatch
-from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
+from megarl.objectives.policy_losses import POLICY_LOSSES, ppo, seq_to_tokens
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.rounds import RolloutRound, RoundResult
 from megarl.plugin.spec import MethodParts, MethodSpec
@@ -277,28 +277,15 @@ def srrl_loss(
     sd = batch.extras.get(SD)
     if sd is None:
         sd = torch.zeros(batch.num_seqs, dtype=logp.dtype)
-    sd_tok = sd.to(logp.dtype).to(logp.device).repeat_interleave(batch.seq_lens.to(logp.device))
+    sd_tok = seq_to_tokens(sd, batch.seq_lens, logp)
     pg = ppo(logp, old_logp, adv, mask, cu_seqlens, clip_low, clip_high, dual_clip)
     return (1 - sd_tok) * pg - sd_coef * sd_tok * logp
 
 
-def _token_metrics(
-    logp,
-    old_logp,
-    adv,
-    mask,
-    cu_seqlens,
-    clip_low=None,
-    clip_high=None,
-    dual_clip=None,
-    *,
-    sd_coef=1.0,
-    batch=None,
-    ctx=None,
-):
+def _token_metrics(logp, old_logp, adv, mask, cu_seqlens, *, batch, **_):
     """Per token: whether it is a distillation token."""
     sd = batch.extras.get(SD, torch.zeros(batch.num_seqs))
-    return {"sd_frac": sd.to(logp.dtype).repeat_interleave(batch.seq_lens)}
+    return {"sd_frac": seq_to_tokens(sd, batch.seq_lens, logp)}
 
 
 POLICY_LOSSES.add("srrl", srrl_loss, PartInfo(token_metrics=_token_metrics, needs_context=True))
