@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from claim_runs import plot, read, train
+
 RUNS = {
     "comppo": {
         "comppo": ["examples/methods/comppo.yaml"],
@@ -37,42 +35,6 @@ RUNS = {
         "ppo-critic": ["examples/methods/ppo-critic.yaml", "objective.kl_coef=0"],
     },
 }
-
-
-def train(name: str, args: list[str], out: Path, steps: int) -> float:
-    """Run one training to completion; its wall time in seconds."""
-    run_dir = out / name
-    cmd = [sys.executable, "-m", "megarl.cli", "train", *args, f"schedule.steps={steps}"]
-    cmd += [f"logging.run_dir={run_dir}", "checkpoint.resume=never", "checkpoint.on_existing=overwrite"]
-    t0 = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-    return time.time() - t0
-
-
-def read(run_dir: Path) -> list[dict]:
-    """The run's metrics records."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-
-
-def plot(records: dict[str, list[dict]], path: Path) -> None:
-    """Held-out sampled accuracy per evaluation and training accuracy per step, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, recs in records.items():
-        ev = [(r["step"], r["eval/sampled_acc"]) for r in recs if "eval/sampled_acc" in r]
-        a.plot(*zip(*ev), marker="o", label=name)
-        tr = [(r["step"], r["rollout/accuracy"]) for r in recs if "rollout/accuracy" in r]
-        b.plot(*zip(*tr), label=name, alpha=0.8)
-    a.set(title="held-out sampled accuracy", xlabel="RL step (64 samples each)")
-    b.set(title="training accuracy (the step's samples)", xlabel="RL step")
-    a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
 
 
 def main() -> None:
