@@ -25,6 +25,22 @@ FIXTURE_FILES = (
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
+# transformers config kwargs of a one-layer Qwen3 for in-process CPU tests (random weights through
+# megarl.rollout.embedded.hf_model_from_config); callers add vocab_size and the special token ids.
+TINY_QWEN3_HF = dict(
+    model_type="qwen3",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
 
 def find_tiny_qwen3_fixture() -> Path:
     """The ``tiny-qwen3`` fixture folder (config + tokenizer, no weights) shipped in

@@ -12,22 +12,9 @@ import torch
 from megarl.rollout.embedded import EmbeddedEngine, hf_model_from_config, teacher_forced_logprobs
 from megarl.rollout.engine import continue_from_prefix
 from megarl.rollout.types import BadRequestError, Sample, SamplingParams
+from megarl.testing.tiny_qwen3 import TINY_QWEN3_HF
 
-HF = dict(
-    model_type="qwen3",
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    vocab_size=40,
-    eos_token_id=1,
-)
+HF = dict(TINY_QWEN3_HF, vocab_size=40, eos_token_id=1)
 PROMPT = [5, 9, 12, 7]
 
 

@@ -11,25 +11,14 @@ from megarl.data.tokenizer import CharTokenizer
 from megarl.rewards.compute import RewardComputer
 from megarl.rollout.embedded import EmbeddedEngine, hf_model_from_config
 from megarl.rollout.workflow import SingleTurn, WorkflowContext
+from megarl.testing.tiny_qwen3 import TINY_QWEN3_HF
 from megarl.trainer.allocation import allocator_from_config
 from megarl.trainer.collector import RolloutCollector
 from megarl.trainer.config import from_dict
 from megarl.trainer.rollouts import rollouts_from_groups
 from megarl.trainer.run import Run
 
-HF = dict(
-    model_type="qwen3",
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
+HF = dict(TINY_QWEN3_HF)
 
 
 class Collecting:
