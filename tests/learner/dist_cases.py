@@ -81,8 +81,11 @@ def make_hf_model(moe: bool, workdir: str):
     return model, d
 
 
-def make_batch(seed: int, lens=(7, 13, 5, 9), prompt=3) -> PackedBatch:
-    """A packed batch of len(lens) sequences with random tokens and advantages (same on all ranks)."""
+def make_batch(
+    seed: int, lens=(7, 13, 5, 9), prompt=3, vocab: int = VOCAB, rollout_logprobs=False
+) -> PackedBatch:
+    """A packed batch of len(lens) sequences with random tokens and advantages (same on all ranks);
+    ``rollout_logprobs``: also random engine logprobs in [-4, 0]."""
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
     cu = torch.zeros(len(lens) + 1, dtype=torch.long)
@@ -91,12 +94,13 @@ def make_batch(seed: int, lens=(7, 13, 5, 9), prompt=3) -> PackedBatch:
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         mask[a + prompt : b] = 1.0
     return PackedBatch(
-        tokens=torch.randint(0, VOCAB, (T,), generator=g),
+        tokens=torch.randint(0, vocab, (T,), generator=g),
         cu_seqlens=cu,
         prompt_lens=torch.full((len(lens),), prompt),
         loss_mask=mask,
         group_ids=torch.arange(len(lens)) // 2,
         advantages=torch.randn(T, generator=g),
+        rollout_logprobs=-torch.rand(T, generator=g) * 4 if rollout_logprobs else None,
     ).validate()
 
 

@@ -15,24 +15,21 @@ from megarl.batch import PackedBatch
 from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
 from megarl.learner.parallel import ParallelLayout, initialize_parallel
 from megarl.objectives.rl_objective import build_objective
+from megarl.testing.tiny_qwen3 import TINY_QWEN3_HF
 from megarl.trainer.config_loading import load_config
 from megarl.trainer.method_runtime import old_logprobs_from_forward, required_inputs
+from tests.learner.dist_cases import make_batch
 
 ROOT = Path(__file__).parents[2]
 VOCAB = 48
 HF = dict(
-    model_type="qwen3",
+    TINY_QWEN3_HF,
     vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=8,
     max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
 )
 
 
@@ -41,24 +38,9 @@ def _learner() -> Learner:
     return Learner(LearnerConfig(hf_config=HF, optim=OptimConfig(lr=1e-2, clip_grad=1.0), seed=7), groups)
 
 
-def _batch(lens=(9, 6, 11, 6, 8, 5), prompt=3) -> PackedBatch:
-    g = torch.Generator().manual_seed(5)
-    T = sum(lens)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.long)
-    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    mask = torch.zeros(T)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        mask[a + prompt : b] = 1.0
-    return PackedBatch(
-        tokens=torch.randint(0, VOCAB, (T,), generator=g),
-        cu_seqlens=cu,
-        prompt_lens=torch.full((len(lens),), prompt),
-        loss_mask=mask,
-        group_ids=torch.arange(len(lens)) // 2,
-        advantages=torch.randn(T, generator=g),
-        # an engine's logprobs, off the learner's: the objective must not fall back to them
-        rollout_logprobs=-torch.rand(T, generator=g) * 4,
-    ).validate()
+def _batch() -> PackedBatch:
+    # an engine's logprobs, off the learner's: the objective must not fall back to them
+    return make_batch(5, (9, 6, 11, 6, 8, 5), vocab=VOCAB, rollout_logprobs=True)
 
 
 def test_reused_old_logprobs_give_the_recomputed_update():

@@ -12,6 +12,7 @@ from megarl.learner.forward import packed_inputs, run_model
 from megarl.learner.model import build_gpt_model, cpu_varlen
 from megarl.learner.parallel import ParallelLayout, initialize_parallel
 from megarl.learner.varlen_attention import segment_plan, varlen_attention
+from megarl.testing.tiny_qwen3 import TINY_QWEN3_HF
 
 VOCAB = 64
 TOL = 2e-5
@@ -19,18 +20,14 @@ TOL = 2e-5
 
 def _hf(moe: bool) -> dict:
     hf = dict(
+        TINY_QWEN3_HF,
         model_type="qwen3_moe" if moe else "qwen3",
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
     )
     if moe:
         hf.update(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
