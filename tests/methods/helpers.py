@@ -59,3 +59,26 @@ def example_objective(name: str):
     from megarl.objectives.rl_objective import ObjectiveConfig
 
     return ObjectiveConfig(**load_example(name)["objective"])
+
+
+def velocity_model(seed: int):
+    """The tiny float64 velocity MLP of the flow-method tests, its weights drawn from ``seed``."""
+    from megarl.methods.gradients import flow_model as fm
+
+    torch.manual_seed(seed)
+    return fm.VelocityMLP(hidden=8, layers=2, freqs=2).double()
+
+
+def assert_splits_add_up(loss: torch.Tensor, grads, params, part_losses) -> None:
+    """The per-part losses (each already normalised by the whole batch), summed, and the sum of their
+    gradients equal the whole batch's ``loss`` and ``grads``: micro-batch / data-parallel splits add up."""
+    params = list(params)
+    acc = [torch.zeros_like(p) for p in params]
+    total = torch.zeros((), dtype=torch.float64)
+    for lp in part_losses:
+        for s, g in zip(acc, torch.autograd.grad(lp, params)):
+            s += g
+        total = total + lp.detach()
+    torch.testing.assert_close(total, loss.detach(), rtol=1e-12, atol=1e-14)
+    for s, g in zip(acc, grads):
+        torch.testing.assert_close(s, g, rtol=1e-10, atol=1e-13)

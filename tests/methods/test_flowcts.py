@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference.flow as rf
-from megarl.methods.gradients import flow_model as fm
 from megarl.methods.gradients.flowcts import (
     FlowCTSHook,
     FlowCTSKnobs,
@@ -23,12 +22,9 @@ from megarl.methods.gradients.flowcts import (
     flowcts_terms,
     kl_opd_terms,
 )
-from tests.methods.helpers import EXAMPLES
+from tests.methods.helpers import EXAMPLES, assert_splits_add_up, velocity_model
 
-
-def _model(seed: int) -> fm.VelocityMLP:
-    torch.manual_seed(seed)
-    return fm.VelocityMLP(hidden=8, layers=2, freqs=2).double()
+_model = velocity_model
 
 
 def _one(f):
@@ -71,16 +67,10 @@ def test_loss_and_gradient_equal_the_reference_and_splits_add_up(seed, n, own, o
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
     for g, r in zip(grads, torch.autograd.grad(ref_loss, list(student.parameters()))):
         torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-12)
-    acc = [torch.zeros_like(p) for p in student.parameters()]
-    total = torch.zeros((), dtype=torch.float64)
-    for part in torch.arange(len(x)).tensor_split(parts):  # micro-batches / replicas, whole-batch mean
-        lp = terms(x[part], t_k[part]).sum() / len(x)
-        for s, g in zip(acc, torch.autograd.grad(lp, list(student.parameters()))):
-            s += g
-        total = total + lp.detach()
-    torch.testing.assert_close(total, loss.detach(), rtol=1e-12, atol=1e-14)
-    for s, g in zip(acc, grads):
-        torch.testing.assert_close(s, g, rtol=1e-10, atol=1e-13)
+    splits = torch.arange(len(x)).tensor_split(parts)  # micro-batches / replicas, whole-batch mean
+    assert_splits_add_up(
+        loss, grads, student.parameters(), (terms(x[p], t_k[p]).sum() / len(x) for p in splits)
+    )
 
 
 @settings(max_examples=6, deadline=None)

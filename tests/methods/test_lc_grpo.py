@@ -17,12 +17,9 @@ from hypothesis import strategies as st
 import reference.flow as rf
 from megarl.methods.gradients import flow_model as fm
 from megarl.methods.gradients.lc_grpo import LCGRPOHook, LCGRPOKnobs, group_advantages, step_loss
-from tests.methods.helpers import EXAMPLES
+from tests.methods.helpers import EXAMPLES, assert_splits_add_up, velocity_model
 
-
-def _model(seed: int) -> fm.VelocityMLP:
-    torch.manual_seed(seed)
-    return fm.VelocityMLP(hidden=8, layers=2, freqs=2).double()
+_model = velocity_model
 
 
 def _one(model):
@@ -64,16 +61,13 @@ def test_loss_and_gradient_equal_the_reference_and_splits_add_up(case, steps, sp
         torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-12)
     # dp replicas x micro-batches over samples, each normalised by the whole batch's term count
     dp, micro = split
-    total, acc = torch.zeros((), dtype=torch.float64), [torch.zeros_like(p) for p in model.parameters()]
-    for part in torch.arange(G * groups).tensor_split(dp * micro):
+
+    def part_loss(part):
         nl = fm.step_logprobs(model, traj[:, part], idx, steps, sampler, a, exact)
-        lp, _ = step_loss(nl, old[:, part], adv[part], 0.2, count=new.numel())
-        for s, g in zip(acc, torch.autograd.grad(lp, list(model.parameters()))):
-            s += g
-        total = total + lp.detach()
-    torch.testing.assert_close(total, loss.detach(), rtol=1e-12, atol=1e-14)
-    for s, g in zip(acc, grads):
-        torch.testing.assert_close(s, g, rtol=1e-10, atol=1e-13)
+        return step_loss(nl, old[:, part], adv[part], 0.2, count=new.numel())[0]
+
+    splits = torch.arange(G * groups).tensor_split(dp * micro)
+    assert_splits_add_up(loss, grads, model.parameters(), (part_loss(p) for p in splits))
 
 
 @settings(max_examples=10, deadline=None)
