@@ -8,6 +8,9 @@ import math
 import torch
 
 from reference.advantages import grpo
+from reference.aggregation import aggregate
+from reference.logprobs import token_logprobs
+from reference.policy_losses import ppo_clip
 
 # ---------------------------------------------------------------------------------------- REGEN
 
@@ -257,15 +260,6 @@ def trial_hd_per_token(logp, hind_logp, ord_logp, mask, turns):
 # tokens under the policy reading a context (stop-gradient); on [B]: the sequence had a context.
 
 
-def _token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
-
-
-def _ppo_clip(logp, old_logp, adv, clip_low, clip_high):
-    r = torch.exp(logp - old_logp)
-    return torch.maximum(-r * adv, -torch.clamp(r, 1 - clip_low, 1 + clip_high) * adv)
-
-
 def el_loss(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -289,13 +283,11 @@ def el_loss(
 
     Samples without knowledge (k = ∅) carry no distillation term.
     """
-    logp = _token_logp(logits, tokens)
+    logp = token_logprobs(logits, tokens)
     sd = -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach())
     per_tok = on[:, None].to(logp.dtype) * sd
     if rl_coef:
-        per_tok = per_tok + rl_coef * _ppo_clip(logp, old_logp, adv, clip_low, clip_high)
-    from reference.aggregation import aggregate
-
+        per_tok = per_tok + rl_coef * ppo_clip(logp, old_logp, adv, clip_low, clip_high)
     return aggregate(per_tok, mask, aggregation)
 
 
@@ -323,14 +315,12 @@ def ice_loss(
     The second term is the sampled-token KL(π^sg(·|x, I_j) ‖ π_θ(·|x)) on tokens the conditioned
     policy drew; with no instruction anywhere the loss is PPO-clip.
     """
-    logp = _token_logp(logits, tokens)
+    logp = token_logprobs(logits, tokens)
     m = mask.to(logp.dtype)
     a = (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
     pos = ((a > 0) & on.bool()).to(logp.dtype)[:, None]
     sd = teacher_logp.detach() - logp
-    per_tok = _ppo_clip(logp, old_logp, adv, clip_low, clip_high) + sd_coef * pos * sd
-    from reference.aggregation import aggregate
-
+    per_tok = ppo_clip(logp, old_logp, adv, clip_low, clip_high) + sd_coef * pos * sd
     return aggregate(per_tok, mask, aggregation)
 
 
@@ -341,8 +331,6 @@ def ice_loss(
 
 
 def _grpo_seq(rewards: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool, eps: float) -> torch.Tensor:
-    from reference.advantages import grpo
-
     return grpo(rewards.double(), group_ids, scale_by_std, eps)
 
 
@@ -476,15 +464,11 @@ def reflectrl_loss(
 
     aggregated with the objective's aggregation over every loss token.
     """
-    from reference.aggregation import aggregate
-
     logp = torch.log_softmax(logits.double(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     logp = logp.to(logits.dtype)
     transfer = (role == TRANSFER)[:, None].expand_as(logp)
     old = torch.where(transfer, reflect_logp.to(logp.dtype), old_logp.to(logp.dtype))
-    ratio = torch.exp(logp - old)
-    a = adv.to(logp.dtype)
-    per_tok = torch.maximum(-ratio * a, -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * a)
+    per_tok = ppo_clip(logp, old, adv.to(logp.dtype), clip_low, clip_high)
     per_tok = torch.where(transfer, r2d_coef * per_tok, per_tok)
     return aggregate(per_tok, mask, aggregation)
 
@@ -547,11 +531,9 @@ def srrl_loss(
         loss_t = (1 − sd) · PPO-clip(π_θ/π_old, A_t) + sd · sd_coef · (−log π_θ(a_2,t | x, a_2,<t))
         loss   = aggregate(loss_t, mask)
     """
-    logp = _token_logp(logits, tokens)
+    logp = token_logprobs(logits, tokens)
     s = sd.to(logp.dtype)[:, None]
-    per_tok = (1 - s) * _ppo_clip(logp, old_logp, adv, clip_low, clip_high) - sd_coef * s * logp
-    from reference.aggregation import aggregate
-
+    per_tok = (1 - s) * ppo_clip(logp, old_logp, adv, clip_low, clip_high) - sd_coef * s * logp
     return aggregate(per_tok, mask, aggregation)
 
 
