@@ -4,10 +4,12 @@ Megatron teacher's logprobs of it (the reference an engine-served teacher must m
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from megarl.batch import PackedBatch, from_sequences
+from megarl.testing.tiny_qwen3 import TINY_QWEN3_HF
 
 
 def student_batch(
@@ -34,3 +36,12 @@ def megatron_teacher_logprobs(hf_dir: str | Path, batch: PackedBatch, micro_batc
     b = batch.select(list(range(batch.num_seqs)))
     FrozenPass(ln, "teacher_logprobs").fill(b, micro_batches)
     return b.teacher_logprobs
+
+
+def tiny_learner_setup(vocab_size: int) -> tuple[dict, Any]:
+    """A one-layer Qwen3 config with ``vocab_size`` tokens for Megatron learners, and this process's
+    single-rank parallel groups (the default process group started once)."""
+    from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel
+
+    init_distributed()
+    return dict(TINY_QWEN3_HF, vocab_size=vocab_size), initialize_parallel(ParallelLayout())

@@ -112,22 +112,9 @@ def test_knobs_are_checked_and_the_example_loads():
 def _tiny(seed: int = 1):
     from megarl.learner.factory import build_learner
     from megarl.learner.optim_config import OptimConfig
-    from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel
+    from tests.methods.teacher_cases import tiny_learner_setup
 
-    hf = {
-        "model_type": "qwen3",
-        "vocab_size": 24,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-    }
-    init_distributed()
-    groups = initialize_parallel(ParallelLayout())
+    hf, groups = tiny_learner_setup(24)
     optim = OptimConfig(lr=1e-2)
 
     def make_learner(h, weights_dir, trainable=False):  # both models start from the same seed

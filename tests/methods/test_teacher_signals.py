@@ -63,27 +63,13 @@ def test_full_vocab_distillation_step_equals_reference(tmp_path):
 
     from megarl.learner.factory import build_learner
     from megarl.learner.optim_config import OptimConfig
-    from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel
     from megarl.objectives.objective_config import ObjectiveConfig
     from megarl.objectives.rl_objective import build_objective
     from megarl.plugin.teacher_pass import MegatronTeacherPass
     from megarl.testing.equivalence import Case, reference_loss_and_grad
-    from tests.methods.teacher_cases import student_batch
+    from tests.methods.teacher_cases import student_batch, tiny_learner_setup
 
-    hf = {
-        "model_type": "qwen3",
-        "vocab_size": 48,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-    }
-    init_distributed()
-    groups = initialize_parallel(ParallelLayout())
+    hf, groups = tiny_learner_setup(48)
     teacher = build_learner(hf, groups, OptimConfig(), seed=7, trainable=False)
     batch = student_batch(48, [5, 6, 7], lens=(4, 9, 6, 3))
     batch.advantages = torch.zeros(batch.num_tokens)
