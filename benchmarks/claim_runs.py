@@ -1,6 +1,6 @@
 """Shared parts of the toy-scale claim scripts that train through ``megarl train`` (critics_claim.py,
-bpco_claim.py): one training per run name in a subprocess, its metrics, and the accuracy figure.
-Not a benchmark of its own: running this file does nothing."""
+bpco_claim.py, distill_claim.py): one training per run name in a subprocess, its metrics, and the
+accuracy figure. Not a benchmark of its own: running this file does nothing."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(name: str, args: list[str], out: Path, steps: int) -> float:
-    """Run one training to completion in ``out/name`` (log: ``out/name.log``); its wall time in seconds."""
+def train(name: str, args: list[str], out: Path, steps: int | None = None) -> float:
+    """Run one training (``args``: the config, then overrides) to completion in ``out/name`` (log:
+    ``out/name.log``), ``steps`` RL steps unless None; its wall time in seconds."""
     run_dir = out / name
-    cmd = [sys.executable, "-m", "megarl.cli", "train", *args, f"schedule.steps={steps}"]
+    cmd = [sys.executable, "-m", "megarl.cli", "train", *args]
+    cmd += [] if steps is None else [f"schedule.steps={steps}"]
     cmd += [f"logging.run_dir={run_dir}", "checkpoint.resume=never", "checkpoint.on_existing=overwrite"]
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from claim_runs import read, train
+
 NO_KL = "objective.kl_coef=0.0"
 # name -> (config, needs the teacher, extra overrides)
 RUNS: dict[str, tuple[str, bool, list[str]]] = {
@@ -40,21 +38,6 @@ RUNS: dict[str, tuple[str, bool, list[str]]] = {
     "self_routing": ("examples/methods/self-routing.yaml", False, [NO_KL]),
     "skald": ("examples/methods/skald.yaml", True, [NO_KL]),
 }
-
-
-def train(name: str, config: str, overrides: list[str], out: Path) -> float:
-    """One ``megarl train`` to completion in ``out/name``; its wall time in seconds."""
-    cmd = [sys.executable, "-m", "megarl.cli", "train", config, *overrides]
-    cmd += [f"logging.run_dir={out / name}", "checkpoint.resume=never", "checkpoint.on_existing=overwrite"]
-    t0 = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-    return time.time() - t0
-
-
-def read(run_dir: Path) -> list[dict]:
-    """The run's metrics records."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
 def curve(records: list[dict]) -> list[dict]:
@@ -104,8 +87,8 @@ def main() -> None:
     if not (teacher_dir / "config.json").exists():  # a teacher of an earlier call is reused
         t_wall = train(
             "teacher",
-            "examples/quickstart.yaml",
-            [f"warmup.sft_steps={a.teacher_sft}", "schedule.steps=1", "schedule.eval_every=1", *evals],
+            ["examples/quickstart.yaml", f"warmup.sft_steps={a.teacher_sft}", "schedule.steps=1"]
+            + ["schedule.eval_every=1", *evals],
             out,
         )
     summary["teacher"] = {"eval": curve(read(out / "teacher"))[0], "wall_s": round(t_wall, 1)}
@@ -116,7 +99,7 @@ def main() -> None:
     for name in names:
         config, needs_teacher, extra = RUNS[name]
         teacher = [f"teacher.hf_dir={teacher_dir}"] if needs_teacher else []
-        wall = train(name, config, [*student, *teacher, *extra], out)
+        wall = train(name, [config, *student, *teacher, *extra], out)
         points = curve(read(out / name))
         reach = tokens_to(points, a.target)
         summary[name] = {"evals": points, "tokens_to_target": reach, "wall_s": round(wall, 1)}
