@@ -86,9 +86,13 @@ def old_logprobs_from_forward(cfg: Any, inputs: dict[str, str], spec: Any = None
     optimizer step per batch (one epoch, one mini-batch), so the weights of that forward are the
     ones a recomputation would use; no part reads the old logprobs before the update (none
     declares them, no rollout correction, no estimator KL term, no method spec and only core
-    parts: a method's parts may read them without declaring). Loss and gradient are the same."""
+    parts: a method's parts may read them without declaring); no fault injection (a poisoned
+    batch is scored against old logprobs of the batch before the poison, as a replay does). Loss
+    and gradient are the same."""
     s, o = cfg.schedule, cfg.objective
     if s.old_logprobs != "recompute" or s.ppo_epochs != 1 or s.mini_batches != 1:
+        return False
+    if cfg.faults.inject:
         return False
     if spec is not None or "old_logprobs" in inputs or o.correction != "none":
         return False

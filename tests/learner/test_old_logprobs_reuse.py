@@ -85,6 +85,7 @@ def test_reuse_only_where_exact():
     assert not _reuses("schedule.mini_batches=2")
     assert not _reuses("schedule.old_logprobs=rollout")
     assert not _reuses("objective.correction=tis")
+    assert not _reuses("faults.inject=[{kind: poison, field: tokens, fraction: 0.3, step: 2}]")
     assert _reuses(advantage={"estimator": "reinforce_pp", "knobs": {"kl_coef": 0.0}})
     assert not _reuses(advantage={"estimator": "reinforce_pp", "knobs": {"kl_coef": 0.1}})
     assert not _reuses(spec=SimpleNamespace(name="m", inputs=()))  # a method's parts may read them

@@ -312,13 +312,17 @@ def test_abort_pause_and_resume(vllm_server, tiny_models):
                 eng.generate(
                     PROMPT,
                     n=2,
-                    sampling=SamplingParams(max_new_tokens=2000, ignore_eos=True),
+                    sampling=SamplingParams(max_new_tokens=1000, ignore_eos=True),
                     request_id="long-one",
                 )
             )
             # abort as soon as the request is in flight: a fixed wait before the abort lost the race
             # on a fast machine (both 1000-token samples had finished)
-            while eng.outstanding == 0 or "long-one" not in eng._inflight:
+            while "long-one" not in eng._inflight:
+                if long.done():  # refused or finished before it was ever in flight: say how
+                    raise AssertionError(
+                        f"the request never was in flight: {long.exception() or long.result()}"
+                    )
                 await asyncio.sleep(0.01)
             n_aborted = await eng.abort("long-one")
             if n_aborted != 1:  # the request ended before the abort: say how (it failed once in a full run)

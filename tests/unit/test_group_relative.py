@@ -11,9 +11,15 @@ from megarl.catalogue import load_builtin
 load_builtin()
 # estimators whose inputs the probe batch carries: rewards only, entropies (gepo), RRPO's scores,
 # named reward dimensions (rspo); the step- and checkpoint-based ones have their own tests
-# (``stored`` reads the replayed advantages of a batch source: tests/methods/test_regen_replay.py)
+# (``stored`` reads the replayed advantages of a batch source: tests/methods/test_regen_replay.py;
+# these read per-sample extras a rollout workflow or allocator writes, and their own tests cover
+# groups: pair_ht (tests/methods/test_pair.py, pi = 1 equals rloo), reflectrl (test_reflectrl.py),
+# srrl (test_srrl.py))
+OWN_TESTS = {"stored", "pair_ht", "reflectrl", "srrl"}
 PLAIN = [
-    n for n in ADVANTAGE_ESTIMATORS.names() if not ADVANTAGE_ESTIMATORS.info(n).batch_inputs and n != "stored"
+    n
+    for n in ADVANTAGE_ESTIMATORS.names()
+    if not ADVANTAGE_ESTIMATORS.info(n).batch_inputs and n not in OWN_TESTS
 ]
 PROBED = PLAIN + ["gepo", "rrpo", "rspo"]
 
