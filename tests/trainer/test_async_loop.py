@@ -298,13 +298,29 @@ DETERMINISTIC = (
 )
 
 
+# (example, a metric its method part writes every step)
+ASYNC_EXAMPLES = [
+    ("reward-floor", "shaping/reward_floor/copied_frac"),
+    ("gigpo", "adv/steps_per_seq"),
+    # the agents family: its workflows (reflect, review, instructed, retry) and context passes
+    ("srpo", "srpo/patch_frac"),
+    ("crpo", "self_teacher/forwarded_frac"),
+    ("reflectrl", "reflect_logprobs/forwarded_frac"),
+    ("el", "coach/knowledge_frac"),
+    ("ice", "instruction_logprobs/forwarded_frac"),
+    ("srrl", "srrl/memory_size"),
+    ("taspo", "pi_bank/size"),
+    ("trial", "hindsight_logprobs/forwarded_frac"),
+    ("agent-opsd", "self_teacher/forwarded_frac"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "example, signal", [("reward-floor", "shaping/reward_floor/copied_frac"), ("gigpo", "adv/steps_per_seq")]
-)
+@pytest.mark.parametrize("example, signal", ASYNC_EXAMPLES)
 def test_async_loop_runs_reward_shaping_and_multi_turn_methods(example, signal, tmp_path):
     """The asynchronous producer runs the same collector as the synchronous loop: a reward shaper
-    (round processor) and a multi-turn workflow (environment: retry) work there too."""
+    (round processor), multi-turn workflows (retry, reflect, review, instructed) and the agents
+    family's methods work there too."""
     import yaml
 
     from megarl.trainer.config_layers import read_layered_config
