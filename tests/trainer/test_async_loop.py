@@ -312,6 +312,9 @@ ASYNC_EXAMPLES = [
     ("taspo", "pi_bank/size"),
     ("trial", "hindsight_logprobs/forwarded_frac"),
     ("agent-opsd", "self_teacher/forwarded_frac"),
+    # the allocation family: the streaming scheduler and prefix-then-continue rounds
+    ("sara", "alloc/prompts_committed"),
+    ("pair", "pair/kept_frac"),
 ]
 
 
