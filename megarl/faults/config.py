@@ -123,3 +123,38 @@ def validate_faults(cfg: FaultsConfig) -> None:
         raise ValueError(f"faults.detectors.spike_beta={d.spike_beta} must be in (0, 1)")
     if d.spike_warmup < 1:
         raise ValueError(f"faults.detectors.spike_warmup={d.spike_warmup} must be >= 1")
+
+
+# What each key of the faults section means (the configuration reference, docs/configuration.md).
+FIELD_MEANINGS: dict[str, str] = {
+    "faults.detect": "run the per-step detectors (docs/faults.md)",
+    "faults.inject": "injected faults (list of faults.inject[] entries below)",
+    "faults.detectors.skip_nonfinite": "skip an optimizer step whose gradients are not finite",
+    "faults.detectors.spike_z": "z-score above which a loss / grad-norm value is a spike (0 = off)",
+    "faults.detectors.spike_beta": "EMA factor of the spike baseline",
+    "faults.detectors.spike_warmup": "steps before spikes are reported",
+    "faults.detectors.spike_min_rel_std": "floor of the baseline std, relative to |mean|",
+    "faults.detectors.spike_min_abs_std": (
+        "absolute floor of the baseline std (float rounding of a ~0 loss is no spike)"
+    ),
+    "faults.detectors.logprob_gap_max": "train/rollout logprob gap above which an event is raised (0 = off)",
+    "faults.detectors.entropy_min": "entropy below which a collapse is reported (0 = off)",
+    "faults.detectors.entropy_drop_frac": "entropy falling below this fraction of its baseline is a collapse",
+    "faults.detectors.router_imbalance_max": (
+        "MoE expert-load imbalance above which an event is raised (0 = off)"
+    ),
+    "faults.detectors.router_entropy_min": (
+        "normalised router entropy below which a router collapse is reported"
+    ),
+    "faults.max_dumps": "maximum number of step dumps per run",
+    "faults.inject[].kind": "fault kind (see docs/faults.md): nan, inf, fp16, bf16, logits, poison",
+    "faults.inject[].step": "trainer step during whose forward/backward the fault is active",
+    "faults.inject[].target": "module name (output) or parameter name (where: grad)",
+    "faults.inject[].where": "nan/inf into a module's output or a parameter's gradient",
+    "faults.inject[].fraction": "fraction of elements (nan/inf) or response tokens (poison tokens) hit",
+    "faults.inject[].loss_scale": "emulated static loss scale of an fp16 module",
+    "faults.inject[].scale": "logits multiplier (logits) or advantage multiplier (poison advantages)",
+    "faults.inject[].noise": "std of the Gaussian added to the logits (kind logits)",
+    "faults.inject[].field": "what a poison corrupts: advantages or tokens",
+    "faults.inject[].seed": "seed of the element / token choice",
+}

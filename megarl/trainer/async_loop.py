@@ -74,7 +74,7 @@ class AsyncRollouts:
                 restored = [batch_from_json(b) for b in saved["queued"]]
                 first, counters = int(saved["next_step"]), dict(saved["counters"])
                 log(
-                    f"megarl train: async state restored: {len(restored)} queued batch(es), "
+                    f"megarl train: async state restored: queued batches: {len(restored)}, "
                     f"producer at step {first}"
                 )
         a = run.cfg.async_loop

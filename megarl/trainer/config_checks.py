@@ -213,7 +213,7 @@ def check_layout(cfg: TrainConfig, hf_config: dict, world_size: int | None) -> N
     if world_size is None:
         return
     if p.world_size and p.world_size != world_size:
-        raise ConfigError(f"parallel.world_size={p.world_size} but this job has {world_size} process(es)")
+        raise ConfigError(f"parallel.world_size={p.world_size} but this job has {world_size} processes")
     mp = p.tp * p.pp * p.cp
     if world_size % mp:
         raise ConfigError(f"parallel: tp*pp*cp={mp} must divide the world size {world_size}")

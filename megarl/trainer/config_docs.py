@@ -105,44 +105,21 @@ MEANINGS: dict[str, str] = {
     "async_loop.max_staleness": "largest allowed lag (in policy versions) between the weights that generated a sample and those it trains",
     "async_loop.partial_rollout": "requests in flight at a weight update: abort = regenerate with the new weights, continue = keep the prefix and finish with the new weights",
     "async_loop.on_stale": "a group older than max_staleness when consumed is dropped or regenerated",
-    "faults.detect": "run the per-step detectors (docs/faults.md)",
-    "faults.inject": "injected faults (list of faults.inject[] entries below)",
-    "faults.detectors.skip_nonfinite": "skip an optimizer step whose gradients are not finite",
-    "faults.detectors.spike_z": "z-score above which a loss / grad-norm value is a spike (0 = off)",
-    "faults.detectors.spike_beta": "EMA factor of the spike baseline",
-    "faults.detectors.spike_warmup": "steps before spikes are reported",
-    "faults.detectors.spike_min_rel_std": "floor of the baseline std, relative to |mean|",
-    "faults.detectors.spike_min_abs_std": "absolute floor of the baseline std (float rounding of a ~0 loss is no spike)",
-    "faults.detectors.logprob_gap_max": "train/rollout logprob gap above which an event is raised (0 = off)",
-    "faults.detectors.entropy_min": "entropy below which a collapse is reported (0 = off)",
-    "faults.detectors.entropy_drop_frac": "entropy falling below this fraction of its baseline is a collapse",
-    "faults.detectors.router_imbalance_max": "MoE expert-load imbalance above which an event is raised (0 = off)",
-    "faults.detectors.router_entropy_min": "normalised router entropy below which a router collapse is reported",
-    "faults.max_dumps": "maximum number of step dumps per run",
     # list items
     "reward.functions[].name": "name of the dimension (metrics reward/<name>/mean; multi-reward methods)",
     "reward.functions[].kind": "verifier: exact_match, regex (pattern), math_verify (math-verify package, contained), python (function, contained)",
     "reward.functions[].weight": "weight in the scalar reward",
     "reward.functions[].kwargs": "extra keyword arguments of a python / math_verify function",
     "reward.functions[].correct": "this reward is the correctness check of the accuracy metrics (value >= 1 = correct); required on one entry when there are several",
-    "faults.inject[].kind": "fault kind (see docs/faults.md): nan, inf, fp16, bf16, logits, poison",
-    "faults.inject[].step": "trainer step during whose forward/backward the fault is active",
-    "faults.inject[].target": "module name (output) or parameter name (where: grad)",
-    "faults.inject[].where": "nan/inf into a module's output or a parameter's gradient",
-    "faults.inject[].fraction": "fraction of elements (nan/inf) or response tokens (poison tokens) hit",
-    "faults.inject[].loss_scale": "emulated static loss scale of an fp16 module",
-    "faults.inject[].scale": "logits multiplier (logits) or advantage multiplier (poison advantages)",
-    "faults.inject[].noise": "std of the Gaussian added to the logits (kind logits)",
-    "faults.inject[].field": "what a poison corrupts: advantages or tokens",
-    "faults.inject[].seed": "seed of the element / token choice",
 }
 
 # Lists whose items are documented as their own tables.
 LIST_ITEMS: dict[str, type] = {"reward.functions": C.RewardFunctionConfig}
-try:  # the faults section (megarl.faults) may be absent in a partial checkout
-    from megarl.faults.config import InjectionConfig
+try:  # the faults section (megarl.faults) may be absent in a partial checkout; it documents its keys
+    from megarl.faults.config import FIELD_MEANINGS, InjectionConfig
 
     LIST_ITEMS["faults.inject"] = InjectionConfig
+    MEANINGS.update(FIELD_MEANINGS)
 except ImportError:  # pragma: no cover
     pass
 

@@ -86,9 +86,9 @@ def old_logprobs_from_forward(cfg: Any, inputs: dict[str, str], spec: Any = None
     optimizer step per batch (one epoch, one mini-batch), so the weights of that forward are the
     ones a recomputation would use; no part reads the old logprobs before the update (none
     declares them, no rollout correction, no estimator KL term, no method spec and only core
-    parts: a method's parts may read them without declaring); no fault injection (a poisoned
-    batch is scored against old logprobs of the batch before the poison, as a replay does). Loss
-    and gradient are the same."""
+    parts: a method's parts may read them without declaring); no fault injection (an injected
+    fault changes the batch after its old logprobs were taken, and reproducing it later needs those
+    logprobs). Loss and gradient are the same."""
     s, o = cfg.schedule, cfg.objective
     if s.old_logprobs != "recompute" or s.ppo_epochs != 1 or s.mini_batches != 1:
         return False

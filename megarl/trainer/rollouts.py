@@ -214,7 +214,7 @@ def build_batch(ro: Rollouts, step: int) -> PackedBatch:
     )
     if ro.turn_spans:  # multi-turn episodes: observations out of the loss, the turn structure kept
         apply_episode_structure(batch, ro.response_masks, ro.turn_spans)
-    if any(ro.turn_rewards):  # the environment's per-turn rewards: [B, S], 0 past a sequence's turns
+    if any(ro.turn_rewards):  # the environment's reward after each of its steps: [B, S], 0-padded
         S = max(len(r) for r in ro.turn_rewards)
         tr = torch.zeros(B, S, dtype=torch.float64)
         for i, r in enumerate(ro.turn_rewards):

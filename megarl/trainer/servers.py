@@ -20,7 +20,7 @@ from typing import Any
 def connect_servers(r: Any, log=print) -> Any:
     """The engine over the servers at ``r.urls`` (``r``: the ``rollout`` section; vLLM or SGLang),
     presenting the keys from ``r.key_file`` or the environment (``RolloutKeys.for_client``): the
-    generation key on generation routes, the admin key on control routes. Keys never come from
+    generation key on generation endpoints, the admin key on control endpoints. Keys never come from
     the config's own values or the command line (both end up in logs and ``/proc/PID/cmdline``)."""
     from megarl.rollout import make_engine
     from megarl.rollout.keys import RolloutKeys

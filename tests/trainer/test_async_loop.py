@@ -277,7 +277,7 @@ def test_async_quickstart_respects_the_staleness_bound_and_resumes_its_queue(tmp
     m2 = metrics(run_dir)
     assert sorted(m2) == [0, 1, 2, 3, 4]
     if queued_steps:
-        assert f"async state restored: {len(queued_steps)} queued batch(es)" in out
+        assert f"async state restored: queued batches: {len(queued_steps)}," in out
         assert m2[3]["async/versions"] == m[3]["async/versions"]
         assert m2[3]["rollout/example"] == m[3]["rollout/example"]
         assert m2[3]["reward/mean"] == m[3]["reward/mean"]
