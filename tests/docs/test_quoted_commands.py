@@ -17,16 +17,21 @@ from tests.docs.quoted_commands import ROOT, QuotedCommand, TrainCommand, quoted
 INDEX = ROOT / "docs" / "commands.md"
 PRODUCES = re.compile(r"(?:logging\.run_dir=|--out\s+)(\S+)")
 UNREADABLE = re.compile(r"cannot read (\S+?):")
+RUNS_PATH = re.compile(r"(?<![\w/])runs/[^\s'\"]+")
 
 
-def _produced_before(cmd: TrainCommand, commands: list[TrainCommand]) -> list[str]:
-    """Directories that earlier commands quoted in the same doc write (their run dirs)."""
+def _produced_before(cmd: TrainCommand, quoted: list[QuotedCommand]) -> list[str]:
+    """Paths that commands quoted earlier in the same doc write: run dirs and ``--out`` of train
+    commands, and every ``runs/`` path a data-making command (a script, ``python -c``) names."""
     out = []
-    for c in commands:
-        if c is cmd:
+    for q in quoted:
+        if q is cmd.quoted or q.line == cmd.quoted.line and q.doc == cmd.quoted.doc:
             break
-        if c.quoted.doc == cmd.quoted.doc:
-            out += PRODUCES.findall(c.quoted.line)
+        if q.doc != cmd.quoted.doc:
+            continue
+        out += PRODUCES.findall(q.line)
+        if " train " not in f" {q.line} ":
+            out += [p.strip("'\",)") for p in RUNS_PATH.findall(q.line)]
     return out
 
 
@@ -36,6 +41,14 @@ def config_problem(cmd: TrainCommand, produced: list[str] = ()) -> str | None:
     saved = list(sys.path)
     if "PYTHONPATH" in cmd.env:
         sys.path.insert(0, str(ROOT / cmd.env["PYTHONPATH"]))
+    for override in cmd.overrides:
+        value = override.partition("=")[2]
+        # runs/ is ignored by git: a path there exists on a fresh clone only when a command wrote it,
+        # however many runs this checkout has kept
+        if value.startswith("runs/") and "/" in value[5:] and not any(
+            value.startswith(p.rstrip("/") + "/") for p in produced
+        ):
+            return f"{override}: no earlier command of {cmd.quoted.doc} writes {value}"
     try:
         cfg = load_config(ROOT / cmd.quoted.cwd / cmd.config, cmd.overrides)
         check_layout(cfg, layout_hf_config(cfg), cmd.nproc or cfg.parallel.world_size or None)
@@ -56,11 +69,11 @@ def _index_key(line: str) -> str:
 
 def test_every_quoted_train_command_passes_the_config_check(monkeypatch):
     monkeypatch.chdir(ROOT)  # overrides name paths relative to the repository root, as a reader types them
-    commands = train_commands()
+    commands, quoted = train_commands(), quoted_commands()
     assert len(commands) >= 40, f"only {len(commands)} train commands found: the scan is broken"
     bad = []
     for cmd in commands:
-        problem = config_problem(cmd, _produced_before(cmd, commands))
+        problem = config_problem(cmd, _produced_before(cmd, quoted))
         if problem:
             bad.append(f"{cmd.quoted.doc}: `{cmd.quoted.line[:120]}`: {problem}")
     assert bad == []
@@ -86,4 +99,4 @@ def test_the_config_check_catches_a_bad_quoted_command(monkeypatch, override, ex
     # a path only an earlier command of the same doc writes is accepted, any other is not
     hf = TrainCommand(q, config="examples/quickstart.yaml", overrides=["model.hf_dir=runs/w/init_policy"])
     assert config_problem(hf, ["runs/w"]) is None
-    assert "cannot read" in (config_problem(hf, ["runs/other"]) or "")
+    assert "runs/w/init_policy" in (config_problem(hf, ["runs/other"]) or "")
