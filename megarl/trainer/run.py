@@ -278,7 +278,7 @@ class Run:
             return engine
         from megarl.trainer.servers import connect_servers
 
-        return connect_servers(r, log)
+        return connect_servers(r, log, vocab_size=int(self.hf["vocab_size"]))
 
     def dp_group(self):
         """The data-parallel group (None with one replica)."""

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 
-def connect_servers(r: Any, log=print) -> Any:
+def connect_servers(r: Any, log=print, vocab_size: int | None = None) -> Any:
     """The engine over the servers at ``r.urls`` (``r``: the ``rollout`` section; vLLM or SGLang),
     presenting the keys from ``r.key_file`` or the environment (``RolloutKeys.for_client``): the
     generation key on generation endpoints, the admin key on control endpoints. Keys never come from
-    the config's own values or the command line (both end up in logs and ``/proc/PID/cmdline``)."""
+    the config's own values or the command line (both end up in logs and ``/proc/PID/cmdline``).
+    ``vocab_size`` (the model's): prompt ids outside it are refused before anything is sent (an
+    out-of-vocabulary id kills an SGLang server)."""
     from megarl.rollout import make_engine
     from megarl.rollout.keys import RolloutKeys
     from megarl.trainer.config import ConfigError
@@ -32,8 +34,10 @@ def connect_servers(r: Any, log=print) -> Any:
         raise ConfigError(f"rollout keys: {e.args[0] if isinstance(e, KeyError) else e}") from e
     if keys is None:
         log(f"megarl train: no rollout keys set: {r.engine} servers must accept requests without a key")
-        return make_engine(r.urls, kind=r.engine)
-    return make_engine(r.urls, kind=r.engine, api_key=keys.api_key, admin_key=keys.admin_key)
+        return make_engine(r.urls, kind=r.engine, vocab_size=vocab_size)
+    return make_engine(
+        r.urls, kind=r.engine, api_key=keys.api_key, admin_key=keys.admin_key, vocab_size=vocab_size
+    )
 
 
 def launch_vllm_for_run(

@@ -155,3 +155,25 @@ def test_generated_keys_never_start_with_a_dash():
     keys = [RolloutKeys.generate() for _ in range(1000)]
     assert not [k for ks in keys for k in (ks.api_key, ks.admin_key) if k.startswith("-")]
     assert len({k.api_key for k in keys}) == 1000 and all(len(k.api_key) >= 43 for k in keys)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_trainer_engine_refuses_out_of_vocabulary_ids_before_sending(engine):
+    """The trainer's engine over servers at rollout.urls checks prompt ids against the model's
+    vocabulary: one id outside it killed a live SGLang server. Nothing listens at the URL, so a
+    request that got as far as the network would fail with a connection error instead."""
+    from megarl.rollout.types import BadRequestError
+
+    eng = connect_servers(
+        RolloutConfig(engine=engine, urls=["http://127.0.0.1:1"]), log=lambda *_: None, vocab_size=1024
+    )
+    assert eng.vocab_size == 1024
+
+    async def go():
+        try:
+            await eng.generate([5, 1024, 7])
+        finally:
+            await eng.close()
+
+    with pytest.raises(BadRequestError, match="1024"):
+        asyncio.run(go())
