@@ -7,6 +7,8 @@ as running each sequence on its own (tests/learner: packed vs one-at-a-time). ``
 builds the block-diagonal causal ``[T, T]`` mask instead (O(T^2); the path of a megatron-core the
 varlen attention does not support, of the local spec on CUDA, and the tests' reference).
 GPU path (TE spec): megatron's THD packed-sequence path (``PackedSeqParams`` from cu_seqlens).
+Context parallelism: each CP rank runs its load-balanced share of every sequence and the last
+stage's logits are gathered back to the packed order (``megarl/learner/context_parallel.py``).
 
 Alignment: the model's logits at position t predict token t+1. megarl's convention
 (megarl/batch.py) wants ``logits[t]`` to score ``tokens[t]``, so ``align_logits`` shifts by one
@@ -18,7 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from megarl.learner.context_parallel import (
+    CPPartition,
+    cp_partition,
+    drop_padding,
+    gather_from_cp,
+    padded_positions,
+    padded_tokens,
+)
 from megarl.learner.model import cpu_varlen, uses_te_spec
 
 
@@ -33,6 +44,8 @@ class PackedInputs:
     packed_seq_params: object | None  # megatron PackedSeqParams (GPU/TE path)
     padding_mask: torch.Tensor | None  # [1, T_pad] bool, True = padding (excluded from MoE routing)
     num_tokens: int  # T (real tokens)
+    cp_partition: CPPartition | None = None  # context parallelism: this rank's share of the row
+    cp_group: object | None = None
 
 
 def packed_inputs(
@@ -41,6 +54,7 @@ def packed_inputs(
     device: torch.device,
     pad_multiple: int = 1,
     attention: str = "auto",
+    cp_group=None,
 ) -> PackedInputs:
     """Build model inputs for packed ``tokens: [T]`` with boundaries ``cu_seqlens: [B+1]``.
 
@@ -51,6 +65,8 @@ def packed_inputs(
     """
     if attention not in ("auto", "varlen", "dense"):
         raise ValueError(f"attention={attention!r}; allowed: auto, varlen, dense")
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        return _cp_inputs(tokens, cu_seqlens, device, pad_multiple, attention, cp_group)
     T = int(tokens.numel())
     T_pad = -(-T // pad_multiple) * pad_multiple
     cu = cu_seqlens.to(torch.long).cpu()
@@ -89,6 +105,50 @@ def packed_inputs(
     )
 
 
+def _cp_inputs(tokens, cu_seqlens, device, pad_multiple: int, attention: str, cp_group) -> PackedInputs:
+    """``packed_inputs`` of this context-parallel rank: its two chunks of every (padded) sequence
+    (``megarl/learner/context_parallel.py``)."""
+    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    part = cp_partition(cu_seqlens, cp, rank, multiple=pad_multiple)
+    idx = part.index
+    local_tokens = padded_tokens(tokens.cpu(), part)[idx]
+    pos = padded_positions(part)[idx]
+    padding = ~part.real[idx]
+    if uses_te_spec():
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu32 = part.cu_seqlens.to(torch.int32).to(device)
+        pad32 = part.cu_padded.to(torch.int32).to(device)
+        maxlen = int((part.cu_padded[1:] - part.cu_padded[:-1]).max())
+        psp = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu32,
+            cu_seqlens_kv=cu32,
+            cu_seqlens_q_padded=pad32,
+            cu_seqlens_kv_padded=pad32,
+            max_seqlen_q=maxlen,
+            max_seqlen_kv=maxlen,
+        )
+        mask = None
+    elif attention != "dense" and cpu_varlen():
+        mask, psp = part.cu_padded.to(device), None
+    else:
+        raise ValueError(
+            "context parallelism needs the varlen attention on CPU or Transformer Engine on CUDA; "
+            f"attention={attention!r}, varlen available: {cpu_varlen()}"
+        )
+    return PackedInputs(
+        input_ids=local_tokens.view(1, -1).to(device),
+        position_ids=pos.view(1, -1).to(device),
+        attention_mask=mask,
+        packed_seq_params=psp,
+        padding_mask=padding.view(1, -1).to(device),
+        num_tokens=int(cu_seqlens[-1]),
+        cp_partition=part,
+        cp_group=cp_group,
+    )
+
+
 class _PackedRope:
     """Replaces a RotaryEmbedding's forward: RoPE angles at per-sequence positions (CPU path)."""
 
@@ -96,11 +156,12 @@ class _PackedRope:
         self.rope = rope
         self.original_forward = rope.forward
         self.positions: torch.Tensor | None = None
+        self.cp = 1  # megatron asks for cp x the local length under context parallelism
 
     def __call__(self, max_seq_len: int, *args, **kwargs) -> torch.Tensor:
         if self.positions is None:
             return self.original_forward(max_seq_len, *args, **kwargs)
-        if int(self.positions.numel()) != int(max_seq_len):
+        if int(self.positions.numel()) * self.cp != int(max_seq_len):
             raise RuntimeError(
                 f"packed RoPE: {self.positions.numel()} positions for a sequence of {max_seq_len}"
             )
@@ -132,8 +193,10 @@ def run_model(model: torch.nn.Module, inputs: PackedInputs) -> torch.Tensor:
     unaligned); other stages: hidden states for the next stage."""
     inner = unwrap(model)
     hook = _packed_rope(inner) if inputs.packed_seq_params is None else None
+    part = inputs.cp_partition
     if hook is not None:
         hook.positions = inputs.position_ids[0]
+        hook.cp = part.cp if part is not None else 1
     try:
         out = model(
             inputs.input_ids,
@@ -146,6 +209,8 @@ def run_model(model: torch.nn.Module, inputs: PackedInputs) -> torch.Tensor:
         if hook is not None:
             hook.positions = None
     if inner.post_process:
+        if part is not None:  # this rank's [T_local, V/tp] -> the whole row's [T, V/tp]
+            return drop_padding(gather_from_cp(out[0], part, inputs.cp_group), part)
         return out[0]  # [1, T_pad, V/tp] -> [T_pad, V/tp]
     return out
 

@@ -189,6 +189,18 @@ class Learner:
     def _pad_multiple(self) -> int:
         return self.groups.layout.tp if self.groups.layout.sequence_parallel else 1
 
+    def require_whole_rows(self, what: str) -> None:
+        """Refuse ``what`` (a reader of per-token activations inside the model: hooks on layers)
+        under context parallelism, where each rank's layers see only its share of the row."""
+        if self.groups.layout.cp > 1:
+            raise ValueError(
+                f"{what} reads per-token activations of the whole packed row inside the model; "
+                f"it does not support context parallelism (parallel.cp={self.groups.layout.cp}): use cp=1"
+            )
+
+    def _cp_group(self):
+        return self.groups.cp if self.groups.layout.cp > 1 else None
+
     def _finalize_grads(self, model_chunks, num_tokens=None, **kwargs) -> None:
         from megatron.core.distributed import finalize_model_grads
 
@@ -210,7 +222,9 @@ class Learner:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            inputs = packed_inputs(mb.tokens, mb.cu_seqlens, self.groups.device, self._pad_multiple())
+            inputs = packed_inputs(
+                mb.tokens, mb.cu_seqlens, self.groups.device, self._pad_multiple(), cp_group=self._cp_group()
+            )
             if routing == "replay":
                 rr.set_replay_targets(self.model, mb.routed_experts, inputs.input_ids.shape[1], self.groups)
             out = run_model(model, inputs)
@@ -219,6 +233,11 @@ class Learner:
             return out, partial(loss_func, mb)
 
         if routing is not None:
+            if self.groups.layout.cp > 1:
+                raise ValueError(
+                    "routing record/replay is per token of the packed row; it does not support "
+                    f"context parallelism (parallel.cp={self.groups.layout.cp})"
+                )
             rr.set_action(self.model, routing)
 
         fb = get_forward_backward_func()

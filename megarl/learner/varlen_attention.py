@@ -10,7 +10,9 @@ Wiring (CPU only, see ``varlen_enabled``): the local layer spec's core attention
 ``VarlenDotProductAttention`` (``megarl/learner/model.py``) and ``packed_inputs`` passes the
 sequence boundaries ``cu_seqlens`` (a 1-D int64 tensor) in the ``attention_mask`` argument, which
 megatron hands unchanged to the core attention (a tensor argument, so activation recomputation
-would carry it too). A 4-D boolean mask still takes megatron's dense path. CUDA runs never use
+would carry it too). A 4-D boolean mask still takes megatron's dense path. Under context
+parallelism the 1-D tensor holds the CP-padded boundaries and each rank attends with its own
+queries over the gathered keys (``megarl/learner/context_parallel.py``). CUDA runs never use
 this module: the TE spec uses THD packing, and the local spec on CUDA keeps the dense mask.
 """
 
@@ -20,6 +22,7 @@ import inspect
 import re
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 # The DotProductAttention.forward parameters this subclass is written against (megatron-core 0.16).
@@ -103,7 +106,15 @@ def varlen_core_attention_class() -> type:
         """Core attention of the CPU local spec: per-sequence attention for packed rows."""
 
         def __init__(self, config, *args, **kwargs):
-            super().__init__(config, *args, **kwargs)
+            cp = config.context_parallel_size
+            # megatron's core attention refuses CP (only its TE attention exchanges keys and
+            # values); this class does the exchange itself (megarl.learner.context_parallel)
+            config.context_parallel_size = 1
+            try:
+                super().__init__(config, *args, **kwargs)
+            finally:
+                config.context_parallel_size = cp
+            self.cp_size = cp
             if config.softmax_type != "vanilla" or self.scale_mask_softmax.window_size is not None:
                 raise ValueError(
                     f"varlen attention supports softmax_type='vanilla' without a window, got "
@@ -131,6 +142,14 @@ def varlen_core_attention_class() -> type:
                 raise ValueError("varlen attention takes neither packed_seq_params nor attention_bias")
             if self.training and self.attention_dropout.p > 0:
                 raise ValueError("varlen attention has no attention dropout (megarl trains with 0)")
+            if self.cp_size > 1:
+                from megatron.core import parallel_state as ps
+
+                from megarl.learner.context_parallel import cached_partition, cp_varlen_attention
+
+                group = ps.get_context_parallel_group()
+                part = cached_partition(attention_mask, self.cp_size, dist.get_rank(group))
+                return cp_varlen_attention(query, key, value, part, group, self.varlen_scale)
             return varlen_attention(query, key, value, attention_mask, self.varlen_scale)
 
     return VarlenDotProductAttention

@@ -170,10 +170,14 @@ LAYOUTS = {
     "pp2": ParallelLayout(pp=2),
     "ep2": ParallelLayout(ep=2),
     "tp2ep2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
+    "cp2": ParallelLayout(cp=2),
     # four ranks
     "tp2pp2": ParallelLayout(tp=2, pp=2),
     "tp2ep2dp2": ParallelLayout(tp=2, ep=2, sequence_parallel=True, expert_tp=1),
     "tp2pp2ep2": ParallelLayout(tp=2, pp=2, ep=2, sequence_parallel=True, expert_tp=1),
+    "tp2cp2": ParallelLayout(tp=2, cp=2, sequence_parallel=True),
+    "pp2cp2": ParallelLayout(pp=2, cp=2),
+    "ep2cp2": ParallelLayout(ep=2, cp=2, expert_tp=1),
 }
 
 
@@ -808,6 +812,7 @@ VARIANT_CASES = {
     "ckexact": case_checkpoint_exact,
     "refused": case_refused,
 }
+VARIANT_CASES.update(__import__("tests.learner.fused_output_cases", fromlist=["CASES"]).CASES)
 
 
 CASES = {
@@ -829,6 +834,7 @@ CASES.update(__import__("tests.learner.self_teacher_cases", fromlist=["CASES"]).
 CASES.update(__import__("tests.learner.gradient_cases", fromlist=["CASES"]).CASES)
 CASES.update(__import__("tests.learner.teacher_cases", fromlist=["CASES"]).CASES)
 CASES.update(__import__("tests.learner.probe_cases", fromlist=["CASES"]).CASES)
+CASES.update(__import__("tests.learner.shared_head_cases", fromlist=["CASES"]).CASES)
 
 
 def run_case(spec: str, args) -> dict:

@@ -88,6 +88,11 @@ CASES_2 = [
     "probe:moe:tp2sp",
     "probe:moe:pp2",
     "probe:moe:ep2",
+    "parity:dense:cp2",
+    "logprobs:dense:cp2",
+    "invariance:dense:cp2",
+    "invariance:moe:cp2",
+    "checkpoint:dense:cp2:tp1",
 ]
 # 4 processes on CI's 2 cores: kept short. (expert_tp > 1 together with ep > 1 cannot run on gloo:
 # megatron's alltoall dispatcher all-gathers unequal token counts over the expert-TP group.)
@@ -96,6 +101,9 @@ CASES_4 = [
     "invariance:moe:tp2ep2dp2",
     "parity:moe:tp2pp2ep2",
     "roundtrip:moe:tp2pp2ep2",
+    "invariance:moe:tp2cp2",
+    "invariance:dense:pp2cp2",
+    "invariance:moe:ep2cp2",
 ]
 
 

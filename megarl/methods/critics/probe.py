@@ -49,6 +49,7 @@ def _all_reduce(t: torch.Tensor, group: Any, size: int, device: Any) -> torch.Te
 
 def run_probe(learner: Any, batch: PackedBatch, micro_batches: int, pairs: list[tuple[torch.nn.Module, Any]]):
     """One forward-only pass of ``learner`` over ``batch`` with the forward hooks ``pairs``."""
+    learner.require_whole_rows("the activation probe")
     with _hooks(pairs):
         learner.compute_logprobs(batch, micro_batches)
 
@@ -99,6 +100,7 @@ def attention_entropy_sums(
     hook on each selected layer's core attention takes its query and key (after RoPE) and
     recomputes the rows eagerly (``attention_rows_statistic``).
     """
+    learner.require_whole_rows("the attention probe")
     model, g = learner.model, learner.groups
     have = decoder_layers(model)
     total_layers = num_layers(model)

@@ -133,6 +133,7 @@ class GupoHook:
     def sketcher(self) -> GroupSketcher:
         """The sketch hooks on the policy learner's model (made once)."""
         if self._sketcher is None:
+            self.ctx.policy.require_whole_rows("GUPO's gradient sketches")
             g = self.ctx.policy.groups
             tp = g.tp if g.layout.tp > 1 else None
             self._sketcher = GroupSketcher(self.ctx.policy.model, tp, self.knobs.sketch_rank, self.knobs.seed)
