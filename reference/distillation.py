@@ -274,6 +274,23 @@ def rstg_loss(
     return aggregate(tok, mask, aggregation)
 
 
+def rstg_teacher_solutions(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    solution_rewards: torch.Tensor,
+    solution_groups: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """[S] bool: which sampled teacher solutions join the batch: their group's student samples
+    (``rewards``, ``group_ids``: [B], no teacher solutions among them) are all wrong (NZV) and the
+    solution itself is correct (reward > threshold). Reconstructed: the abstract's "SFT on
+    teacher-correct solutions" of the prompts RSTG selects."""
+    nzv = rstg_nzv(rewards, group_ids, torch.ones_like(group_ids, dtype=torch.bool), threshold)
+    bad = set(group_ids[nzv].tolist())
+    in_nzv = torch.tensor([int(g) in bad for g in solution_groups.tolist()], dtype=torch.bool)
+    return in_nzv & (solution_rewards > threshold)
+
+
 # ----------------------------------------------------------------------------------------------
 # Self-Routing: one route per prompt group by its samples' correctness and confidence.
 # Reconstructed from the abstract (four routes: GRPO / self-distillation / regularise / skip); the

@@ -48,6 +48,19 @@ class RolloutWeights(Protocol):
 
 
 @runtime_checkable
+class BatchExtender(Protocol):
+    """A step hook that appends sequences to the step's batch before its learner inputs are filled
+    (e.g. samples of a second model for prompts the rollouts single out): ``extend_batch(step,
+    batch, info)`` runs on every rank after the rollouts are packed, may make collective calls
+    (weight pushes, broadcasts; the synchronous loop only) and returns the batch and its
+    ``RolloutInfo`` with the same sequences appended to both (``info.answers``,
+    ``info.reward_dims`` and ``info.extras`` cover every sequence; the runtime copies
+    ``info.extras`` into ``batch.extras`` again). A hook that appends nothing returns both as given."""
+
+    def extend_batch(self, step: int, batch: PackedBatch, info: Any) -> tuple[PackedBatch, Any]: ...
+
+
+@runtime_checkable
 class ShardedState(Protocol):
     """A step hook that owns a model (a critic, a second policy): its sharded state is saved in a
     folder of every run checkpoint and loaded from it on resume (both collective)."""

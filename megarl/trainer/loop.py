@@ -4,6 +4,7 @@ One step::
 
     rollouts (the run's rollout source: the collector now, or the async producer's queue)
       -> broadcast to every rank -> packed batch   (or the method's batch source's batch)
+      -> sequences a step hook appends (``BatchExtender``: every rank, before the learner inputs)
       -> learner inputs (old logprobs, entropies, reference, teacher: one pass each, as required)
       -> batch inputs (turn structure, method extras, reward dimensions) -> advantages
       -> ppo_epochs x mini_batches optimizer steps (step hooks around them)
@@ -182,6 +183,7 @@ class Trainer:
             batch = build_batch(ro, step)
             info = RolloutInfo(ro.answers, ro.reward_dims, ro.extras)
         run.method.add_round_extras(batch, info)  # learner passes may read them too
+        batch, info = run.method.extend_batch(step, batch, info)  # sequences a method appends
         t0 = time.time()
         rec.update(run.method.fill_learner_inputs(batch, cfg.schedule.micro_batches))
         t_logprob = time.time() - t0

@@ -22,7 +22,7 @@ from megarl.objectives.policy_losses import POLICY_LOSSES
 from megarl.objectives.regularisers import REGULARISERS
 from megarl.plugin.inputs import INPUT_PROVIDERS, RolloutInfo, provider_for
 from megarl.plugin.knobs import build_knobs
-from megarl.plugin.spec import MethodParts, PolicyGate, ShardedState, StepHook
+from megarl.plugin.spec import BatchExtender, MethodParts, PolicyGate, ShardedState, StepHook
 
 
 @runtime_checkable
@@ -221,6 +221,18 @@ class MethodRuntime:
         """Per-sample extras made on rank 0 into ``batch.extras`` (float64)."""
         for k, v in info.extras.items():
             batch.extras[k] = torch.as_tensor(v, dtype=torch.float64)
+
+    def extend_batch(
+        self, step: int, batch: PackedBatch, info: RolloutInfo
+    ) -> tuple[PackedBatch, RolloutInfo]:
+        """Every step hook that is a ``BatchExtender``, in order (every rank; collective), then the
+        round extras of the extended batch."""
+        extenders = [h for h in self.step_hooks if isinstance(h, BatchExtender)]
+        for h in extenders:
+            batch, info = h.extend_batch(step, batch, info)
+        if extenders:
+            self.add_round_extras(batch, info)
+        return batch, info
 
     def fill_batch_inputs(self, batch: PackedBatch, info: RolloutInfo) -> dict[str, float]:
         """Per-sample extras made on rank 0 into ``batch.extras`` (float64), then every batch filler."""

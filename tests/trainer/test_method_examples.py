@@ -219,6 +219,11 @@ def check_signal(name: str, r: dict) -> None:
     elif name == "rstg":  # the teacher reached the gated OPD term of the all-wrong groups
         nzv, dis = _any(r, "train/rstg/nzv_token_frac"), _any(r, "train/rstg/distilled_token_frac")
         assert len(dis) == STEPS and all(0 <= d <= n for d, n in zip(dis, nzv)), (nzv, dis)
+        # verified teacher solutions of the all-wrong groups joined the batch and were SFT'd; the
+        # MoE student's engine served its MoE teacher, the dense run sampled an embedded MoE teacher
+        ver, sft = _any(r, "rstg/teacher_verified"), _any(r, "train/rstg/sft_token_frac")
+        assert sum(ver) > 0 and all((v > 0) == (f > 0) for v, f in zip(ver, sft)), (ver, sft)
+        assert _any(r, "rstg/run_engine_swap") == [float(r["model"] == "moe")] * STEPS
     elif name in ("isdpo", "uopsd"):  # routes cover the groups; the self-teacher forwarded the targets
         names = ("grpo", "distil") if name == "isdpo" else ("skip", "distil")
         for s in r["steps"]:

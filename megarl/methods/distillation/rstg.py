@@ -15,8 +15,11 @@ Per-token loss, aggregated by the objective (one normaliser for every term):
   tokens of every NZV sample of the global batch (all DP ranks: megarl.ops.quantile), H_t the
   behaviour policy's full-vocabulary entropy (``entropies``);
 - teacher solutions are sequences flagged ``extras['teacher_solution']`` (1.0) in the group of
-  their prompt (the round that adds them also scores them); they take no part in the GRPO
-  advantages (the ``rstg`` estimator) nor in the NZV test. Without them γ has no effect.
+  their prompt; they take no part in the GRPO advantages (the ``rstg`` estimator) nor in the NZV
+  test. The method's step hook (``method.teacher_samples`` > 0,
+  megarl/methods/distillation/teacher_solutions.py) samples them from the teacher for the NZV
+  groups only, keeps those the run's reward verifies and appends them before the learner inputs.
+  Without them γ has no effect.
 
 ``prepare`` (once per step, the DP rank's whole batch) computes the per-sequence weights and the
 two global thresholds into ``batch.extras``; each micro-batch then applies them.
@@ -25,20 +28,22 @@ two global thresholds into ``batch.extras``; each micro-batch then applies them.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megarl.advantages.estimators import ADVANTAGE_ESTIMATORS, grpo, per_token, scalar_rewards
 from megarl.methods.distillation.opd_signal import behaviour_logprobs
+from megarl.methods.distillation.teacher_solutions import TEACHER_SOLUTION, TeacherSolutions
 from megarl.objectives.distillation import sampled_reverse_kl_term
 from megarl.objectives.policy_losses import POLICY_LOSSES, ppo
 from megarl.ops.quantile import top_fraction_threshold
 from megarl.ops.segments import _dense_groups, broadcast_to_tokens, segment_sum
-from megarl.plugin.spec import MethodSpec
+from megarl.plugin.knobs import Knobs
+from megarl.plugin.spec import MethodParts, MethodSpec
 from megarl.registry import PartInfo
 
-TEACHER_SOLUTION = "teacher_solution"  # extras [B]: 1.0 on teacher-written sequences
 WEIGHT, SFT, THR_H, THR_D = "rstg_weight", "rstg_sft", "rstg_thr_entropy", "rstg_thr_divergence"
 
 
@@ -178,10 +183,53 @@ POLICY_LOSSES.add(
 ADVANTAGE_ESTIMATORS.add("rstg", _rstg_advantages, PartInfo(group_relative=True))
 
 
+@dataclass
+class RSTGKnobs(Knobs):
+    """``teacher_samples``: solutions sampled from the teacher per NZV group and appended when the
+    run's reward verifies them (0: none; the SFT term then has no effect)."""
+
+    teacher_samples: int = 2
+
+    def check(self) -> None:
+        """``teacher_samples`` >= 0."""
+        if self.teacher_samples < 0:
+            raise ValueError(f"method.teacher_samples={self.teacher_samples} must be >= 0")
+
+
+def nzv_students(batch, correct_threshold: float = 0.5) -> torch.Tensor:
+    """[B] bool: the student samples of NZV groups (the groups that get teacher solutions)."""
+    student = ~teacher_solutions(batch)
+    correct = scalar_rewards(batch) > correct_threshold
+    return nzv_groups(correct, batch.group_ids, student) & student
+
+
+def build(ctx, knobs: RSTGKnobs) -> MethodParts:
+    """The teacher-solution step hook (every rank) when ``method.teacher_samples`` > 0."""
+    if knobs.teacher_samples == 0:
+        return MethodParts()
+    cfg = ctx.cfg
+    if cfg.async_loop.enabled:
+        raise ValueError(
+            "method rstg with method.teacher_samples > 0 needs the synchronous loop (the teacher's "
+            "solutions are sampled within the step): set async_loop.enabled: false or "
+            "method.teacher_samples: 0"
+        )
+    from megarl.plugin.core_inputs import teacher_hf_config
+
+    teacher_hf = teacher_hf_config(cfg, ctx.hf_config) if cfg.teacher.source != "engine" else None
+    thr = float(dict(cfg.objective.policy_loss_args).get("correct_threshold", 0.5))
+    hook = TeacherSolutions(
+        ctx, lambda b: nzv_students(b, thr), knobs.teacher_samples, thr, "rstg", teacher_hf
+    )
+    return MethodParts(step_hooks=[hook])
+
+
 SPEC = MethodSpec(
     name="rstg",
     summary="RSTG: GRPO + confidence-weighted OPD on gated tokens of all-wrong groups + teacher SFT",
     provenance="reconstructed",
+    knobs=RSTGKnobs,
+    build=build,
     config={
         "advantage": {"estimator": "rstg"},
         "objective": {
