@@ -254,7 +254,9 @@ def render() -> str:
                 for key, tp, default, meaning in rows(item, lkey + "[]."):
                     out.append(f"| `{key}` | {tp} | {range_text(key)} | {default} | {meaning} |")
         out.append("")
-    out += _removed_keys()
+    from megarl.trainer.threads import ENV_DOC
+
+    out += ENV_DOC + _removed_keys()
     return "\n".join(out)
 
 

@@ -35,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print(f"megarl train: {args.config}: config OK")
         return 0
-    torch_threads = os.environ.get("MEGARL_NUM_THREADS")
-    import torch
+    from megarl.trainer.threads import ThreadsError, set_torch_threads
 
-    if torch_threads:
-        torch.set_num_threads(int(torch_threads))
+    try:
+        set_torch_threads()  # MEGARL_NUM_THREADS, else cores / local ranks
+    except ThreadsError as e:
+        print(f"megarl train: {e}", file=sys.stderr)
+        return 2
     from megarl.data.dataset import DataError
     from megarl.learner.dist_checkpoint import CheckpointError
     from megarl.trainer.checkpoint_check import ForeignCheckpointError
