@@ -93,7 +93,7 @@ def _teacher(ctx: Any, names: frozenset) -> Any:
         return build_engine_teacher(ctx, names, top_k)
     hf = teacher_hf_config(ctx.cfg, ctx.hf_config)
     learner = ctx.make_learner(hf, ctx.cfg.teacher.hf_dir, trainable=False)
-    return MegatronTeacherPass(learner, names, top_k)
+    return MegatronTeacherPass(learner, names, top_k, getattr(ctx.knobs, "rows", ""))
 
 
 class RewardDims:

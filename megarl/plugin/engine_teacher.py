@@ -12,13 +12,13 @@ serves with the policy's vocabulary (a large MoE served with its own parallelism
 from __future__ import annotations
 
 import asyncio
-import itertools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megarl.batch import PackedBatch
+from megarl.plugin.teacher_pass import check_rows, selected_rows, token_index
 
 
 def teacher_engines(t: Any) -> list:
@@ -63,22 +63,26 @@ class EngineTeacherPass:
     ``engines``: rank 0's teacher engines (None on the other ranks); ``device``: where the
     broadcast runs (the process group's device: cuda under NCCL)."""
 
-    def __init__(self, engines: list | None, device: Any = "cpu", top_k: int = 0):
-        self.engines, self.device, self.top_k = engines, device, top_k
+    def __init__(self, engines: list | None, device: Any = "cpu", top_k: int = 0, rows: str = ""):
+        self.engines, self.device, self.top_k, self.rows = engines, device, top_k, rows
         self.loop = asyncio.new_event_loop() if engines else None
 
     def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
-        """In place (collective over the world)."""
+        """In place (collective over the world); with ``rows`` only the selected sequences are sent
+        (the others get logprob 0)."""
         T, K = batch.num_tokens, self.top_k
         lp = torch.zeros(T, 1 + 2 * K, dtype=torch.float64)  # logprob, K ids, K logprobs
-        if self.engines:
+        chosen = selected_rows(batch, self.rows)
+        which = list(range(batch.num_seqs)) if chosen is None else chosen
+        if self.engines and which:
             cu = batch.cu_seqlens.tolist()
             toks = batch.tokens.tolist()
-            seqs = [toks[a:b] for a, b in itertools.pairwise(cu)]
+            seqs = [toks[cu[i] : cu[i + 1]] for i in which]
             scores = self.loop.run_until_complete(score_sequences(self.engines, seqs, K))
-            lp[:, 0] = torch.tensor([x for s in scores for x in s.logprobs], dtype=torch.float64)
+            idx = token_index(batch, which)
+            lp[idx, 0] = torch.tensor([x for s in scores for x in s.logprobs], dtype=torch.float64)
             if K:
-                lp[:, 1:] = _topk_rows(scores, K)
+                lp[idx, 1:] = _topk_rows(scores, K)
         if dist.is_initialized() and dist.get_world_size() > 1:
             lp = lp.to(self.device)
             dist.broadcast(lp, src=0)
@@ -87,6 +91,8 @@ class EngineTeacherPass:
         if K:
             batch.token_extras["teacher_topk_ids"] = lp[:, 1 : 1 + K].long()
             batch.token_extras["teacher_topk_logprobs"] = lp[:, 1 + K :].float()
+        if chosen is not None:
+            return {"teacher/forwarded_frac": len(chosen) / max(1, batch.num_seqs)}
         return {}
 
     def close(self) -> None:
@@ -116,6 +122,8 @@ def build_engine_teacher(ctx: Any, names: frozenset = frozenset(), top_k: int = 
             "teacher.source=engine gives the teacher's logprobs and top-K, not its full-vocabulary "
             "logits (needed by the full-vocabulary objective.distill modes); use teacher.source=megatron"
         )
+    rows = getattr(ctx.knobs, "rows", "")
+    check_rows(rows, names)
     device = ctx.groups.device if ctx.groups is not None else "cpu"
     k = top_k if "teacher_topk" in names else 0
-    return EngineTeacherPass(teacher_engines(ctx.cfg.teacher) if ctx.rank0 else None, device, k)
+    return EngineTeacherPass(teacher_engines(ctx.cfg.teacher) if ctx.rank0 else None, device, k, rows)

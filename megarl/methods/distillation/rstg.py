@@ -203,12 +203,15 @@ def nzv_students(batch, correct_threshold: float = 0.5) -> torch.Tensor:
     return nzv_groups(correct, batch.group_ids, student) & student
 
 
+TEACHER_ROWS = "rstg_teacher_rows"  # extras [B]: 1 on NZV student samples (the teacher's rows)
+
+
 def build(ctx, knobs: RSTGKnobs) -> MethodParts:
-    """The teacher-solution step hook (every rank) when ``method.teacher_samples`` > 0."""
-    if knobs.teacher_samples == 0:
-        return MethodParts()
+    """The step hook (every rank) that marks the NZV student samples (``extras['rstg_teacher_rows']``:
+    the only rows the teacher forwards, ``inputs.teacher_logprobs.rows``) and appends verified
+    teacher solutions of their groups (``method.teacher_samples`` > 0)."""
     cfg = ctx.cfg
-    if cfg.async_loop.enabled:
+    if knobs.teacher_samples and cfg.async_loop.enabled:
         raise ValueError(
             "method rstg with method.teacher_samples > 0 needs the synchronous loop (the teacher's "
             "solutions are sampled within the step): set async_loop.enabled: false or "
@@ -216,10 +219,11 @@ def build(ctx, knobs: RSTGKnobs) -> MethodParts:
         )
     from megarl.plugin.core_inputs import teacher_hf_config
 
-    teacher_hf = teacher_hf_config(cfg, ctx.hf_config) if cfg.teacher.source != "engine" else None
+    sampled = knobs.teacher_samples > 0 and cfg.teacher.source != "engine"
+    teacher_hf = teacher_hf_config(cfg, ctx.hf_config) if sampled else None
     thr = float(dict(cfg.objective.policy_loss_args).get("correct_threshold", 0.5))
     hook = TeacherSolutions(
-        ctx, lambda b: nzv_students(b, thr), knobs.teacher_samples, thr, "rstg", teacher_hf
+        ctx, lambda b: nzv_students(b, thr), knobs.teacher_samples, thr, "rstg", teacher_hf, TEACHER_ROWS
     )
     return MethodParts(step_hooks=[hook])
 
@@ -232,6 +236,7 @@ SPEC = MethodSpec(
     build=build,
     config={
         "advantage": {"estimator": "rstg"},
+        "inputs": {"teacher_logprobs": {"rows": TEACHER_ROWS}},
         "objective": {
             "policy_loss": "rstg",
             "policy_loss_args": {"alpha": 1.0, "gamma": 1.0, "rho_entropy": 0.2, "rho_divergence": 0.2},

@@ -196,8 +196,11 @@ def _concat(a: PackedBatch, b: PackedBatch) -> PackedBatch:
 
 class TeacherSolutions:
     """The step hook (every rank). ``select(batch) -> [B] bool``: the sequences whose groups get
-    teacher solutions; ``samples``: solutions sampled per selected group; a solution is kept when
-    its reward exceeds ``correct_threshold``; ``prefix``: the metrics' prefix."""
+    teacher solutions; ``samples``: solutions sampled per selected group (0: none, only the
+    ``rows_key`` flags); a solution is kept when its reward exceeds ``correct_threshold``;
+    ``prefix``: the metrics' prefix; ``rows_key``: when set, ``extras[rows_key]`` is 1 on the
+    selected sequences (0 on the rest and on the solutions): the rows the teacher's logprobs are
+    needed on (``inputs.teacher_logprobs.rows``)."""
 
     def __init__(
         self,
@@ -207,10 +210,11 @@ class TeacherSolutions:
         correct_threshold: float,
         prefix: str,
         teacher_hf: dict | None,
+        rows_key: str = "",
     ):
         self.ctx, self.select, self.samples = ctx, select, samples
-        self.threshold, self.prefix = correct_threshold, prefix
-        self.kind = sampler_kind(ctx.cfg, teacher_hf, ctx.hf_config)
+        self.threshold, self.prefix, self.rows_key = correct_threshold, prefix, rows_key
+        self.kind = sampler_kind(ctx.cfg, teacher_hf, ctx.hf_config) if samples > 0 else "none"
         self._engines: list | None = None
         self._metrics: dict[str, float] = {}
 
@@ -272,7 +276,8 @@ class TeacherSolutions:
         self, step: int, batch: PackedBatch, info: RolloutInfo
     ) -> tuple[PackedBatch, RolloutInfo]:
         """The verified teacher solutions of the selected groups appended (collective)."""
-        firsts = first_of_groups(batch, self.select(batch))
+        selected = self.select(batch)
+        firsts = first_of_groups(batch, selected) if self.samples > 0 else []
         box: list = [Solutions()]
         if firsts and self.ctx.rank0:
             box[0] = self.sample(step, batch, info, firsts)
@@ -282,11 +287,16 @@ class TeacherSolutions:
         p = self.prefix
         self._metrics = {
             f"{p}/run_engine_swap": float(self.kind == "run_engine"),
-            f"{p}/selected_groups": float(len(firsts)),
+            f"{p}/selected_groups": float(len(first_of_groups(batch, selected))),
             f"{p}/teacher_sampled": float(sol.sampled),
             f"{p}/teacher_verified": float(len(sol.source)),
         }
-        return append_solutions(batch, info, sol, step)
+        out, out_info = append_solutions(batch, info, sol, step)
+        if self.rows_key:
+            rows = torch.zeros(out.num_seqs, dtype=torch.float64)
+            rows[: batch.num_seqs] = selected.double()
+            out_info.extras[self.rows_key] = rows.tolist()
+        return out, out_info
 
     def before_train(self, step: int, batch: PackedBatch) -> PackedBatch:
         """The batch as it is."""
