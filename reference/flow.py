@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 Field = Callable[[torch.Tensor, float], torch.Tensor]
 
@@ -148,3 +149,53 @@ def kl_opd_loss(f_s: Field, f_r: Field, x: torch.Tensor, t_k: float, n: int, a: 
         total = total + h * h * ((fs - fr) ** 2).sum() / (2 * sig2)
         xs = xs + h * fs
     return total
+
+
+# ------------------------------------------------------------------------------------ flow DiT
+def _rms(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return h * torch.rsqrt((h * h).mean(-1, keepdim=True) + eps) * w
+
+
+def _dit_mlp(w: dict, p: str, m: torch.Tensor, experts: int, topk: int) -> torch.Tensor:
+    """The layer's MLP on [..., H]: silu(m W1ᵀ) W2ᵀ, or a Mixture of Experts: the router's top-k
+    logits, softmax over those k, the chosen experts' MLPs weighted by it (no capacity, no drops)."""
+    if not experts:
+        return F.silu(m @ w[p + "linear_fc1.weight"].T) @ w[p + "linear_fc2.weight"].T
+    logits = m @ w[p + "router.weight"].T
+    top, idx = torch.topk(logits, topk, dim=-1)
+    probs = torch.softmax(top, -1)
+    out = torch.zeros_like(m)
+    for e in range(experts):
+        q = f"{p}experts.local_experts.{e}."
+        y = F.silu(m @ w[q + "linear_fc1.weight"].T) @ w[q + "linear_fc2.weight"].T
+        out = out + ((idx == e).to(m.dtype) * probs).sum(-1, keepdim=True) * y
+    return out
+
+
+def dit_velocity(w: dict, x: torch.Tensor, t, *, patch: int, heads: int, layers: int, freqs: int,
+                 experts: int = 0, topk: int = 2, eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
+    """The tiny flow DiT in plain PyTorch, on full weights ``w`` named like the Megatron model's
+    parameters (megarl.learner.flow_dit): points ``x`` [B, dim] cut into dim/patch tokens,
+    token = W_in·patch + pos + W_2 SiLU(W_1 [sin, cos](2π f t)); per layer pre-RMSNorm
+    bidirectional multi-head attention (fused QKV weight laid out per head as [q; k; v]) and a
+    pre-RMSNorm MLP, each added to the residual; final RMSNorm; W_out back to the patch values."""
+    B, dim = x.shape
+    n = dim // patch
+    t = torch.as_tensor(t, dtype=x.dtype).expand(B)
+    ang = 2 * math.pi * t[:, None] * torch.arange(1, freqs + 1, dtype=x.dtype)[None]
+    feats = torch.cat([torch.sin(ang), torch.cos(ang)], -1)
+    temb = F.silu(feats @ w["time_in.weight"].T + w["time_in.bias"]) @ w["time_out.weight"].T
+    temb = temb + w["time_out.bias"]
+    h = x.reshape(B, n, patch) @ w["patch_in.weight"].T + w["patch_in.bias"] + w["pos"][None] + temb[:, None]
+    H = h.shape[-1]
+    hd = H // heads
+    for layer in range(layers):
+        p = f"block.layers.{layer}."
+        a = _rms(h, w[p + "input_layernorm.weight"], eps)
+        q, k, v = (a @ w[p + "self_attention.linear_qkv.weight"].T).reshape(B, n, heads, 3, hd).unbind(3)
+        probs = torch.softmax(torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(hd), -1)
+        ctx = torch.einsum("bhij,bjhd->bihd", probs, v).reshape(B, n, H)
+        h = h + ctx @ w[p + "self_attention.linear_proj.weight"].T
+        h = h + _dit_mlp(w, p + "mlp.", _rms(h, w[p + "pre_mlp_layernorm.weight"], eps), experts, topk)
+    h = _rms(h, w["block.final_layernorm.weight"], eps)
+    return (h @ w["head.weight"].T + w["head.bias"]).reshape(B, dim)

@@ -72,9 +72,20 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
     # the smoke policy is never correct in 2 steps: Agon grades with the weighted reward (format too)
     "agon": {"method": {"verdict": "reward"}},
-    # the flow models: a short flow-matching fit is enough for 2 steps
-    "lc-grpo": {"method": {"pretrain_steps": 20, "groups": 2, "group_size": 4, "steps": 4}},
-    "flowcts": {"method": {"pretrain_steps": 5, "reference_pretrain_steps": 20, "batch": 16, "steps": 4}},
+    # the flow models (Megatron DiTs, MoE under EP=2): a narrower DiT and a short flow-matching fit
+    "lc-grpo": {
+        "method": {"pretrain_steps": 2, "groups": 2, "group_size": 4, "steps": 4, "hidden": 16, "heads": 2}
+    },
+    "flowcts": {
+        "method": {
+            "pretrain_steps": 2,
+            "reference_pretrain_steps": 2,
+            "batch": 16,
+            "steps": 4,
+            "hidden": 16,
+            "heads": 2,
+        }
+    },
     # room for the 4 groups of the smoke's 2 mini-batches x 2 replicas after abandoned prompts
     "sara": {"method": {"budget_samples": 64}},
     # more of each prompt's 4 prefixes kept: groups of >= 2 for the 2 mini-batches x 2 replicas

@@ -1,5 +1,7 @@
 """FlowCTS: flow continuous trajectory supervision, on-policy distillation for flow models
-(reconstructed), on the tiny plain-PyTorch flow model of megarl/methods/gradients/flow_model.py.
+(reconstructed), on a tiny flow model: the plain-PyTorch velocity MLP of
+megarl/methods/gradients/flow_model.py (``model: mlp``) or the DiT on megatron-core of
+megarl/learner/flow_dit.py (``model: megatron``: TP-sharded, MoE with EP, megatron's optimizer).
 
 FlowCTS time τ runs from 0 (noise) to 1 (data); a field is dx/dτ, so the velocity model gives
 ``f(x, τ) = −v(x, 1 − τ)``. From a student-visited state x at τ = t_k (the student's own Euler
@@ -18,9 +20,10 @@ baseline: along the student's path, the KL between the two auxiliary SDE transit
 late steps most.
 
 The reference is a flow model pretrained longer (``reference_pretrain_steps``), the student one
-pretrained briefly from another seed; one distillation step (``updates`` Adam steps on
-``batch`` visited states) per RL step, in a step hook that holds the run's language-model policy
-still. Plain PyTorch, replicated on every rank: not a Megatron model.
+pretrained briefly from another seed (both the same kind of model); one distillation step
+(``updates`` Adam steps on ``batch`` visited states, the same on every rank; with the Megatron
+model each data-parallel replica computes its share of the loss) per RL step, in a step hook that
+holds the run's language-model policy still.
 
 Provenance: reconstructed (no source found beyond the method's description): the weight w(u), the
 discretisation, the visited-state sampling and the KL-OPD baseline's σ are our choices.
@@ -33,7 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from megarl.methods.gradients import flow_model as fm
-from megarl.methods.gradients.flow_run import FlowHook, FlowKnobs, param_vector, replicated_model
+from megarl.methods.gradients.flow_megatron import ShardedFlow
+from megarl.methods.gradients.flow_run import FlowHook, FlowKnobs, PlainFlow, as_flow, make_flow
 from megarl.plugin.spec import MethodParts, MethodSpec
 
 OBJECTIVES = ("flowcts", "kl_opd")
@@ -131,58 +135,86 @@ def endpoint_error(student, reference, n: int, steps: int, gen: torch.Generator)
 
 
 class FlowCTSHook(FlowHook):
-    """One distillation step per RL step (every rank, replicated); see the module docstring."""
+    """One distillation step per RL step; see the module docstring. ``student``, ``reference``:
+    velocity modules or flow learners (else the ones the knobs name, under ``ctx``'s groups)."""
 
-    def __init__(self, knobs: FlowCTSKnobs, student=None, reference=None):
-        super().__init__(student or replicated_model(knobs, knobs.seed + 1, knobs.pretrain_steps), knobs.lr)
-        self.reference = reference or replicated_model(knobs, knobs.seed, knobs.reference_pretrain_steps)
-        for p in self.reference.parameters():
+    def __init__(self, knobs: FlowCTSKnobs, student=None, reference=None, ctx=None):
+        k = knobs
+        if student is None:
+            student = make_flow(k, ctx, k.seed + 1, k.pretrain_steps)
+        super().__init__(as_flow(student, k.lr))
+        if reference is None:
+            reference = make_flow(k, ctx, k.seed, k.reference_pretrain_steps)
+            reference = reference.model if isinstance(reference, PlainFlow) else reference
+        self.reference = reference
+        ref_module = reference if isinstance(reference, torch.nn.Module) else reference.model
+        for p in ref_module.parameters():
             p.requires_grad_(False)
         self.knobs = knobs
 
-    def loss(self, x: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor:
-        """The configured objective, averaged over the states."""
+    def terms(self, x: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor:
+        """[B]: the configured objective's term of every state."""
         k, f_s, f_r = self.knobs, field_of(self.model), field_of(self.reference)
         if k.objective == "flowcts":
-            terms = flowcts_terms(f_s, f_r, x, t_k, k.supervision, k.own_paths, k.through_path)
-        else:
-            terms = kl_opd_terms(f_s, f_r, x, t_k, k.supervision, k.a, k.through_path)
-        return terms.mean()
+            return flowcts_terms(f_s, f_r, x, t_k, k.supervision, k.own_paths, k.through_path)
+        return kl_opd_terms(f_s, f_r, x, t_k, k.supervision, k.a, k.through_path)
+
+    def loss(self, x: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor:
+        """The configured objective, averaged over the states."""
+        return self.terms(x, t_k).mean()
+
+    def share_loss(self, x: torch.Tensor, t_k: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """The states ``part``'s terms summed and divided by the whole batch's size (the replicas'
+        shares add up to the mean)."""
+        return self.terms(x[part], t_k[part]).sum() / x.shape[0]
 
     def after_step(self, step: int, metrics: dict) -> dict[str, float]:
         """``updates`` Adam steps on freshly visited states; the endpoint error after them."""
         k = self.knobs
         gen = torch.Generator().manual_seed(k.seed * 1_000_003 + step)
-        before = param_vector(self.model)
-        loss = torch.zeros(())
+        before = self.flow.flat()
+        loss = 0.0
+        part = self.flow.dp_share(k.batch)
         for _ in range(k.updates):
             x, t_k = visited_states(self.model, k.batch, k.steps, gen)
-            loss = self.loss(x, t_k)
-            self.opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.opt.step()
+            if isinstance(self.flow, PlainFlow):  # the whole batch's mean
+                loss, _ = self.flow.train_step(lambda x=x, t_k=t_k: self.loss(x, t_k))
+            else:
+                loss, _ = self.flow.train_step(lambda x=x, t_k=t_k: self.share_loss(x, t_k, part))
         self.updates += 1
         err = endpoint_error(self.model, self.reference, 256, k.steps, torch.Generator().manual_seed(k.seed))
         return {
-            f"flowcts/{k.objective}_loss": float(loss.detach()),
+            f"flowcts/{k.objective}_loss": loss,
             "flowcts/endpoint_error": err,
-            "flowcts/update_norm": float((param_vector(self.model) - before).norm()),
+            "flowcts/update_norm": float((self.flow.flat() - before).norm()),
+            **self.flow_metrics("flowcts"),
         }
 
     def state_dict(self) -> dict:
-        """The student, its optimizer, the update count and the reference."""
+        """The update count; the replicated student, its optimizer and the reference."""
+        if not isinstance(self.flow, PlainFlow):
+            return super().state_dict()
         return {**super().state_dict(), "reference": self.reference.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``."""
         super().load_state_dict(state)
-        self.reference.load_state_dict(state["reference"])
+        if isinstance(self.flow, PlainFlow):
+            self.reference.load_state_dict(state["reference"])
+
+
+class ShardedFlowCTSHook(ShardedFlow, FlowCTSHook):
+    """FlowCTS on the Megatron flow models: student and reference saved per rank in every checkpoint."""
+
+    def sharded_learners(self) -> dict:
+        """The student and the reference."""
+        return {"model": self.flow, "reference": self.reference}
 
 
 def build(ctx, knobs: FlowCTSKnobs) -> MethodParts:
-    """The FlowCTS step hook on every rank."""
-    return MethodParts(step_hooks=[FlowCTSHook(knobs)])
+    """The FlowCTS step hook on every rank (its flow models under the run's groups)."""
+    cls = ShardedFlowCTSHook if knobs.model == "megatron" else FlowCTSHook
+    return MethodParts(step_hooks=[cls(knobs, ctx=ctx)])
 
 
 SPEC = MethodSpec(

@@ -1,5 +1,7 @@
 """LC-GRPO: GRPO over the denoising steps of a flow model with Langevin-corrected transitions
-(reconstructed), on the tiny plain-PyTorch flow model of megarl/methods/gradients/flow_model.py.
+(reconstructed), on a tiny flow model: the plain-PyTorch velocity MLP of
+megarl/methods/gradients/flow_model.py (``model: mlp``) or the DiT on megatron-core of
+megarl/learner/flow_dit.py (``model: megatron``: TP-sharded, MoE with EP, megatron's optimizer).
 
 Each stochastic step t -> s is an inference-aligned Euler step followed by one Langevin step at s
 with the score derived from the velocity, ``S(x, s) = −(x + (1 − s) v_θ(x, s)) / s``:
@@ -15,9 +17,10 @@ every stochastic step, and minimises the per-step PPO-clip loss ``−mean_{i,k} 
 Flow-GRPO's SDE step (the baseline); a = 0 is the deterministic Euler ODE.
 
 Runs in the RL loop as a step hook that is a ``PolicyGate``: the run's language-model policy is
-held still (its rollouts still run and are logged, unused), and the flow model, replicated on
-every rank (same seeds, same result), is trained with its own Adam; its weights and optimizer
-state go in the method state of every checkpoint. It is plain PyTorch, not a Megatron model.
+held still (its rollouts still run and are logged, unused), and the flow model is trained with its
+own Adam (flow_run.py: every rank samples the same trajectories; with the Megatron model each
+data-parallel replica computes its share of the loss); its weights and optimizer state go in
+every checkpoint.
 
 Provenance: reconstructed from the LC-GRPO abstract (ODE Euler step + Langevin correction with
 the velocity-derived score; Gaussian transition likelihood; narrower SDE-rollout / ODE-inference
@@ -31,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.methods.gradients import flow_model as fm
-from megarl.methods.gradients.flow_run import FlowHook, FlowKnobs, param_vector, replicated_model
+from megarl.methods.gradients.flow_megatron import ShardedFlow
+from megarl.methods.gradients.flow_run import FlowHook, FlowKnobs, as_flow, make_flow
 from megarl.plugin.spec import MethodParts, MethodSpec
 
 
@@ -93,15 +97,18 @@ def step_loss(new: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, clip: flo
 
 
 class LCGRPOHook(FlowHook):
-    """One LC-GRPO step per RL step (every rank, replicated); see the module docstring."""
+    """One LC-GRPO step per RL step; see the module docstring. ``model``: a velocity module or a
+    flow learner to train (else the one the knobs name, built under ``ctx``'s groups)."""
 
-    def __init__(self, knobs: LCGRPOKnobs, model: fm.VelocityMLP | None = None):
-        super().__init__(model or replicated_model(knobs, knobs.seed, knobs.pretrain_steps), knobs.lr)
+    def __init__(self, knobs: LCGRPOKnobs, model=None, ctx=None):
+        if model is None:
+            model = make_flow(knobs, ctx, knobs.seed, knobs.pretrain_steps)
+        super().__init__(as_flow(model, knobs.lr))
         self.knobs = knobs
 
     def rollouts(self, step: int) -> dict:
         """The step's SDE trajectories, their old log-probs, rewards, advantages; the ODE rewards
-        from the same noise."""
+        from the same noise (the same on every rank)."""
         k = self.knobs
         gen = torch.Generator().manual_seed(k.seed * 1_000_003 + step)
         noise = torch.randn(k.groups * k.group_size, 2, generator=gen)
@@ -113,34 +120,53 @@ class LCGRPOHook(FlowHook):
             "adv": group_advantages(r, k.group_size), "ode_rewards": bump_reward(ode, k.target, k.width),
         }  # fmt: skip
 
+    def share_loss(self, ro: dict, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-step PPO-clip loss of the samples ``part``, normalised by the whole batch's term
+        count (the replicas' shares add up to the whole loss), and their clipped count / that count."""
+        k = self.knobs
+        new = fm.step_logprobs(self.model, ro["traj"][:, part], ro["idx"], k.steps, k.sampler, k.a, k.exact)
+        count = ro["old"].numel()
+        loss, clipped = step_loss(new, ro["old"][:, part], ro["adv"][part], k.clip, count=count)
+        return loss, clipped * new.numel() / count
+
     def after_step(self, step: int, metrics: dict) -> dict[str, float]:
         """Rollouts, then ``updates`` Adam steps on the per-step PPO-clip loss."""
         k, ro = self.knobs, self.rollouts(step)
-        before = param_vector(self.model)
-        loss = clipped = torch.zeros(())
+        before = self.flow.flat()
+        part = self.flow.dp_share(ro["traj"].shape[1])
+        loss, clipped = 0.0, torch.zeros(())
         for _ in range(k.updates):
-            new = fm.step_logprobs(self.model, ro["traj"], ro["idx"], k.steps, k.sampler, k.a, k.exact)
-            loss, clipped = step_loss(new, ro["old"], ro["adv"], k.clip)
-            self.opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.opt.step()
+            out: list = []
+
+            def share(out=out) -> torch.Tensor:
+                value, frac = self.share_loss(ro, part)
+                out.append(frac)
+                return value
+
+            loss, _ = self.flow.train_step(share)
+            clipped = out[0]
         self.updates += 1
         sde, ode = float(ro["rewards"].mean()), float(ro["ode_rewards"].mean())
         return {
             "lc_grpo/reward_sde": sde,
             "lc_grpo/reward_ode": ode,
             "lc_grpo/sde_ode_gap": abs(sde - ode),
-            "lc_grpo/loss": float(loss.detach()),
-            "lc_grpo/clip_frac": float(clipped),
-            "lc_grpo/update_norm": float((param_vector(self.model) - before).norm()),
+            "lc_grpo/loss": loss,
+            "lc_grpo/clip_frac": self.flow.all_reduce_dp(clipped),
+            "lc_grpo/update_norm": float((self.flow.flat() - before).norm()),
             "lc_grpo/stochastic_steps": float(len(ro["idx"])),
+            **self.flow_metrics("lc_grpo"),
         }
 
 
+class ShardedLCGRPOHook(ShardedFlow, LCGRPOHook):
+    """LC-GRPO on the Megatron flow model: its shards saved per rank in every checkpoint."""
+
+
 def build(ctx, knobs: LCGRPOKnobs) -> MethodParts:
-    """The LC-GRPO step hook on every rank."""
-    return MethodParts(step_hooks=[LCGRPOHook(knobs)])
+    """The LC-GRPO step hook on every rank (its flow model under the run's groups)."""
+    cls = ShardedLCGRPOHook if knobs.model == "megatron" else LCGRPOHook
+    return MethodParts(step_hooks=[cls(knobs, ctx=ctx)])
 
 
 SPEC = MethodSpec(
