@@ -27,6 +27,8 @@ class PartInfo:
     token_metrics: per-token diagnostics of a policy loss, same arguments as the loss.
     needs_context: the part takes ``batch=`` and ``ctx=`` keywords.
     needs_entropy: the part takes the current policy's full-vocab entropy as ``entropy=``.
+    reads_logits: a distillation term or regulariser that reads its ``logits`` argument (the
+        full-vocabulary logits); False lets the learner fuse the output layer (``logits`` is None).
     aggregates_itself: a regulariser that returns its globally normalised scalar itself.
     group_relative: an advantage estimator that scores each sample against the other samples of its
         prompt's group, so a group of one sample gets advantage 0 (the config refuses rollout.n=1).
@@ -38,6 +40,7 @@ class PartInfo:
     token_metrics: Callable[..., Any] | None = None
     needs_context: bool = False
     needs_entropy: bool = False
+    reads_logits: bool = True
     aggregates_itself: bool = False
     group_relative: bool = False
 

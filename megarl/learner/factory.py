@@ -24,9 +24,11 @@ def build_learner(
     seed: int = 1234,
     trainable: bool = True,
     lr: float | None = None,
+    fused_output: str = "auto",
 ):
     """A ``Learner`` for ``hf_config`` under ``groups``. ``lr`` overrides the optimizer's LR with a
-    constant one (a supervised warm-up); ``trainable=False``: forward-only, no optimizer state."""
+    constant one (a supervised warm-up); ``trainable=False``: forward-only, no optimizer state;
+    ``fused_output``: auto | on | off (megarl/learner/fused_output.py)."""
     from megarl.learner.learner import Learner, LearnerConfig
 
     if lr is not None:
@@ -35,7 +37,14 @@ def build_learner(
         )
     dtype = torch.bfloat16 if params_dtype == "bfloat16" else torch.float32
     return Learner(
-        LearnerConfig(hf_config=hf_config, optim=optim, params_dtype=dtype, seed=seed, trainable=trainable),
+        LearnerConfig(
+            hf_config=hf_config,
+            optim=optim,
+            params_dtype=dtype,
+            seed=seed,
+            trainable=trainable,
+            fused_output=fused_output,
+        ),
         groups,
     )
 

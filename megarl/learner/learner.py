@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megarl.batch import PackedBatch
 from megarl.learner.forward import align_logits, packed_inputs, run_model, unwrap
+from megarl.learner.fused_output import FusedHead
 from megarl.learner.model import build_gpt_model, load_hf_config
 from megarl.learner.optim_config import OptimConfig
 from megarl.learner.parallel import ParallelGroups
@@ -61,6 +62,9 @@ class LearnerConfig:
     # False: a forward-only learner (KL reference, teacher): parameters frozen, no gradient buffers,
     # no optimizer state or scheduler; train_step refuses
     trainable: bool = True
+    # the output layer fused with the logprob/entropy op (megarl/learner/fused_output.py): 'auto'
+    # where the objective reads only per-token statistics, 'on' (refuse where it cannot), 'off'
+    fused_output: str = "auto"
 
 
 class Learner:
@@ -96,6 +100,7 @@ class Learner:
         if before_wrap is not None:
             before_wrap(model)
         self.spec = model.megarl_spec
+        self.fused = FusedHead(model, groups, cfg.fused_output, cfg.chunk_tokens)
         self.config = model.config
         self.config.calculate_per_token_loss = True
         o = cfg.optim
@@ -213,6 +218,7 @@ class Learner:
         forward_only: bool,
         routing: str | None = None,
         recorded: list | None = None,
+        fused: bool = False,
     ) -> list:
         """Micro-batches through megatron's schedule. ``routing``: None, 'record' (append each
         micro-batch's local routes to ``recorded``) or 'replay' (use ``mb.routed_experts``)."""
@@ -227,7 +233,8 @@ class Learner:
             )
             if routing == "replay":
                 rr.set_replay_targets(self.model, mb.routed_experts, inputs.input_ids.shape[1], self.groups)
-            out = run_model(model, inputs)
+            with self.fused.hidden_out(fused):  # fused: the last stage returns hidden states
+                out = run_model(model, inputs)
             if routing == "record":
                 recorded.append(rr.collect_local(self.model))
             return out, partial(loss_func, mb)
@@ -257,6 +264,13 @@ class Learner:
             if routing is not None:
                 rr.set_action(self.model, None)
 
+    def _loss_inputs(self, out: torch.Tensor, mb: PackedBatch, ctx: LossContext, fused: bool):
+        """(aligned logits, ctx) for the objective from the last stage's output; fused: (None, ctx
+        with ``token_stats`` from the hidden states)."""
+        if not fused:
+            return align_logits(out, mb.cu_seqlens), ctx
+        return None, replace(ctx, token_stats=self.fused.token_stats(out, mb.tokens, mb.cu_seqlens))
+
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast a tensor of known shape from the last pipeline stage to every stage."""
         if self.groups.layout.pp > 1:
@@ -280,15 +294,16 @@ class Learner:
         self.ddp.eval()
         tp_group = self.groups.tp if self.groups.layout.tp > 1 else None
 
+        fused = self.fused.enabled()
+
         def loss_func(mb: PackedBatch, logits: torch.Tensor):
-            aligned = align_logits(logits, mb.cu_seqlens)
-            lp, ent = vocab_parallel_logprobs_entropy(
-                aligned,
-                mb.tokens.to(aligned.device),
-                tp_group,
-                self.cfg.chunk_tokens,
-                with_entropy=with_entropy,
-            )
+            if fused:
+                lp, ent = self.fused.token_stats(logits, mb.tokens, mb.cu_seqlens, with_entropy=with_entropy)
+            else:
+                aligned = align_logits(logits, mb.cu_seqlens)
+                lp, ent = vocab_parallel_logprobs_entropy(
+                    aligned, mb.tokens.to(aligned.device), tp_group, self.cfg.chunk_tokens, with_entropy
+                )
             first = mb.cu_seqlens[:-1]
             lp[first] = 0.0
             ent[first] = 0.0
@@ -296,7 +311,7 @@ class Learner:
             return zero, torch.tensor(1, dtype=torch.int), {"logprobs": lp, "entropy": ent}
 
         micro = batch.split(num_micro_batches)
-        out = self._run_schedule(micro, loss_func, forward_only=True)
+        out = self._run_schedule(micro, loss_func, forward_only=True, fused=fused)
         T = batch.num_tokens
         lp = torch.zeros(T, dtype=torch.float32, device=self.groups.device)
         ent = torch.zeros(T, dtype=torch.float32, device=self.groups.device)
@@ -383,8 +398,11 @@ class Learner:
             step=self.step,
         )
 
+        fused = self.fused.enabled(objective)
+
         def loss_func(mb: PackedBatch, logits: torch.Tensor):
-            res = objective(align_logits(logits, mb.cu_seqlens), mb, ctx)
+            aligned, mctx = self._loss_inputs(logits, mb, ctx, fused)
+            res = objective(aligned, mb, mctx)
             return res.loss, torch.tensor(1, dtype=torch.int), {}
 
         saved = (self.config.finalize_model_grads_func, self.config.moe_aux_loss_coeff)
@@ -395,7 +413,7 @@ class Learner:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         try:
-            self._run_schedule(batch.split(num_micro_batches), loss_func, forward_only=False)
+            self._run_schedule(batch.split(num_micro_batches), loss_func, forward_only=False, fused=fused)
         finally:
             self.config.finalize_model_grads_func, self.config.moe_aux_loss_coeff = saved
             self.config.moe_z_loss_coeff = saved_z
@@ -446,9 +464,11 @@ class Learner:
         self.config.grad_scale_func = lambda t: t * s
         metric_names: list[str] = []
 
+        fused = self.fused.enabled(objective)
+
         def loss_func(mb: PackedBatch, logits: torch.Tensor):
-            aligned = align_logits(logits, mb.cu_seqlens)
-            res = objective(aligned, mb, micro_batch_context(ctx, mb, aligned.device))
+            aligned, mctx = self._loss_inputs(logits, mb, ctx, fused)
+            res = objective(aligned, mb, micro_batch_context(mctx, mb, logits.device))
             reported = {"loss": res.loss.detach().reshape(()).float()}
             for k, v in res.metrics.items():
                 reported[k] = torch.as_tensor(v).detach().reshape(()).float()
@@ -471,7 +491,7 @@ class Learner:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run_schedule(micro, loss_func, forward_only=False, routing=routing)
+        out = self._run_schedule(micro, loss_func, forward_only=False, routing=routing, fused=fused)
         # metrics: sum over micro-batches, then DP; then send from the last stage to all stages.
         if g.is_last_stage:
             metric_names = sorted(out[0].keys())

@@ -68,6 +68,10 @@ class LossContext:
     chunk_tokens: int | None = None  # token chunk of the vocab-parallel ops; None: ~2**24 elements
     step: int = 0  # optimizer step (for schedules inside objectives)
     teacher_logits: torch.Tensor | None = None  # [T, V/tp], same sharding, for full-vocab distillation
+    # (logprobs [T], entropy [T]) of batch.tokens from the learner's fused output layer
+    # (megarl/learner/fused_output.py), with their graph; set only for an objective whose
+    # ``accepts_token_stats()`` is True, which is then called with ``logits=None``
+    token_stats: tuple[torch.Tensor, torch.Tensor] | None = None
     # an exactly on-policy update (one optimizer step on weights unchanged since the batch's old
     # logprobs would be computed): the old logprobs are this forward's, detached, instead of a
     # second forward pass; objectives that support it declare ``current_old_logprobs = True``
@@ -95,6 +99,11 @@ class LossOutput:
 
 
 class Objective(Protocol):
-    """Anything callable as ``objective(logits [T, V/tp], batch, ctx) -> LossOutput``."""
+    """Anything callable as ``objective(logits [T, V/tp], batch, ctx) -> LossOutput``.
+
+    An objective that needs nothing of the logits but the per-token logprobs and entropies of
+    ``batch.tokens`` may also define ``accepts_token_stats() -> bool``; where it returns True the
+    learner may call it with ``logits=None`` and ``ctx.token_stats`` set (the fused output layer).
+    """
 
     def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput: ...

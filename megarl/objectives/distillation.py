@@ -16,7 +16,7 @@ from megarl.registry import Registry
 DISTILLATION: Registry = Registry("distill")
 
 
-@DISTILLATION.register("none")
+@DISTILLATION.register("none", reads_logits=False)
 def none(logits, logp, old_logp, batch, ctx):
     return torch.zeros_like(logp)
 
@@ -27,7 +27,7 @@ def sampled_reverse_kl_term(logp, old_logp, teacher_logp):
     return -(teacher_logp - old_logp).detach() * torch.exp(logp - old_logp.detach())
 
 
-@DISTILLATION.register("sampled_reverse_kl", batch_inputs=("teacher_logprobs",))
+@DISTILLATION.register("sampled_reverse_kl", batch_inputs=("teacher_logprobs",), reads_logits=False)
 def sampled_reverse_kl(logits, logp, old_logp, batch, ctx):
     """-sg(teacher_logp - old_logp) · exp(logp - sg(old_logp)); needs batch.teacher_logprobs."""
     if batch.teacher_logprobs is None:

@@ -48,6 +48,14 @@ class RLObjective:
             knobs = {k: v for k, v in reg.items() if k not in ("name", "coef")}
             yield f"regularisers.{i}", REGULARISERS.info(reg["name"]), knobs
 
+    def accepts_token_stats(self) -> bool:
+        """True when no configured part reads the full logits (the distillation term and every
+        regulariser declare ``reads_logits=False``): the learner may then fuse its output layer and
+        pass ``LossContext.token_stats`` instead of logits."""
+        parts = [DISTILLATION.info(self.cfg.distill)]
+        parts += [REGULARISERS.info(reg["name"]) for reg in self.cfg.regularisers]
+        return not any(p.reads_logits for p in parts)
+
     def prepare(self, batch: PackedBatch, dp_group: Any = None) -> PackedBatch:
         """Call once per optimizer step on this DP rank's whole batch, before splitting it into
         micro-batches. Parts that need statistics of the global batch (``PartInfo.prepare``:
@@ -75,9 +83,12 @@ class RLObjective:
     def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput:
         cfg, norm = self.cfg, ctx.normalisers
         want_entropy = True  # entropy is a metric in every run; it costs one extra row in the reduction
-        logp, ent = vocab_parallel_logprobs_entropy(
-            logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens, with_entropy=want_entropy
-        )
+        if ctx.token_stats is not None:  # the learner's fused output layer computed them (logits: None)
+            logp, ent = ctx.token_stats
+        else:
+            logp, ent = vocab_parallel_logprobs_entropy(
+                logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens, with_entropy=want_entropy
+            )
         mask, cu = batch.loss_mask.to(logp.dtype), batch.cu_seqlens
         old = None if ctx.old_is_current else _first_present(batch.old_logprobs, batch.rollout_logprobs)
         old = logp.detach() if old is None else old.to(logp.dtype)

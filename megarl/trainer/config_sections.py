@@ -31,6 +31,10 @@ class ModelConfig:
     alphabet: str = "0123456789+-=*/ ()"
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 1234
+    # training output layer fused with the logprob/entropy op, so the [T, V] logits never exist
+    # (docs/learner.md): auto = wherever the objective reads only per-token logprobs and entropies;
+    # on = also, refusing (naming why) where it cannot; off = always the full logits
+    fused_output: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass

@@ -247,6 +247,7 @@ class Run:
             c.model.seed,
             trainable=trainable,
             lr=lr,
+            fused_output=c.model.fused_output,
         )
 
     def _make_loaded_learner(self, hf_config: dict, weights_dir: str | Path, trainable: bool = False):

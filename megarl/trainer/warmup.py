@@ -14,14 +14,22 @@ from megarl.trainer.setup import log
 
 
 class SFTObjective:
-    """``-sum(mask * logp) / N_tok`` (globally normalised token mean). logits: [T, V/tp]."""
+    """``-sum(mask * logp) / N_tok`` (globally normalised token mean). logits: [T, V/tp], or None
+    with ``ctx.token_stats`` from the learner's fused output layer."""
+
+    def accepts_token_stats(self) -> bool:
+        """It reads only the per-token logprobs and entropies."""
+        return True
 
     def __call__(self, logits, batch: PackedBatch, ctx: LossContext) -> LossOutput:
         from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 
-        logp, ent = vocab_parallel_logprobs_entropy(
-            logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens, with_entropy=True
-        )
+        if ctx.token_stats is not None:
+            logp, ent = ctx.token_stats
+        else:
+            logp, ent = vocab_parallel_logprobs_entropy(
+                logits, batch.tokens, ctx.tp_group, ctx.chunk_tokens, with_entropy=True
+            )
         mask = batch.loss_mask.to(logp.dtype)
         n = max(ctx.normalisers.num_tokens, 1.0)
         loss = -(logp * mask).sum() / n

@@ -1,0 +1,211 @@
+"""Peak extra memory and time of the training output layer: fused vs today's path vs naive.
+
+One forward + backward of ``loss = Σ_t a_t·logp_t + b_t·H_t`` from final hidden states
+``hidden [T, H]`` and the output weight ``weight [V, H]`` (fp32, CPU, TP=1), gradients to both:
+
+- naive: ``logits = hidden @ weight.T``, ``log_softmax``, gather, ``-Σ p log p``, plain autograd;
+- today: the learner's unfused path: the output layer's ``[T, V]`` logits, then the chunked
+  vocab-parallel op (megarl.ops.vocab_parallel.vocab_parallel_logprobs_entropy);
+- fused: megarl.ops.fused_output.fused_logprobs_entropy (logits only per chunk, recomputed in
+  backward).
+
+Each variant runs in a fresh process (``--repeats N``: N alternated runs each, reporting the
+fastest time and the largest memory, against the noise of a shared machine).
+"extra" = peak RSS during forward+backward minus RSS once hidden, weight and targets exist,
+minus the two gradients every variant must return (``[T, H]`` and ``[V, H]``): the memory the
+output layer costs beyond its inputs and outputs. A variant whose estimated need exceeds the
+memory available now is skipped and says so.
+Targets: fused extra <= 0.1 x one [T, V] fp32 tensor; fused time <= 1.2 x today's.
+
+    python benchmarks/fused_output.py            # T = 8192 and 32768, H = 2048, V = 151936
+    python benchmarks/fused_output.py --quick    # T = 1024 and 4096, H = 512, V = 151936
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GIB = 2**30
+# [T, V] fp32 tensors alive at the peak (estimate, for skipping what cannot fit)
+TV_COPIES = {"naive": 4.0, "today": 2.2, "fused": 0.0}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _PeakRss:
+    """Samples this process's RSS every millisecond in a thread; ``peak`` is the largest seen."""
+
+    def __init__(self):
+        self.peak, self._stop = _rss(), threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _variant(name: str, T: int, H: int, V: int, chunk: int | None, threads: int, q) -> None:
+    import torch
+
+    from megarl.ops.fused_output import fused_logprobs_entropy
+    from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    def step(hidden, weight, targets, a, b):
+        if name == "naive":
+            logp = torch.log_softmax(hidden @ weight.T, -1)
+            lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            ent = -(logp.exp() * logp).sum(-1)
+        elif name == "today":
+            lp, ent = vocab_parallel_logprobs_entropy(hidden @ weight.T, targets, None, chunk)
+        else:
+            lp, ent = fused_logprobs_entropy(hidden, weight, targets, None, chunk)
+        return lp, ent
+
+    # warm-up on a tiny problem: lazy library state (BLAS buffers, autograd threads) is not "extra"
+    w = torch.randn(64, H, requires_grad=True)
+    x = torch.randn(16, H, requires_grad=True)
+    lp, ent = step(x, w, torch.randint(0, 64, (16,)), torch.ones(16), torch.ones(16))
+    (lp + ent).sum().backward()
+    del w, x, lp, ent
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(T, H, generator=g) * 0.5).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * H**-0.5).requires_grad_()
+    targets = torch.randint(0, V, (T,), generator=g)
+    a, b = torch.randn(T, generator=g), torch.randn(T, generator=g) * 0.1
+    base = _rss()
+    with _PeakRss() as rss:
+        t0 = time.perf_counter()
+        lp, ent = step(hidden, weight, targets, a, b)
+        t_fwd = time.perf_counter() - t0
+        (a * lp + b * ent).sum().backward()
+        elapsed = time.perf_counter() - t0
+    grads = (hidden.grad.numel() + weight.grad.numel()) * 4
+    q.put(
+        {
+            "time_s": elapsed,
+            "forward_s": t_fwd,
+            "extra_gib": (rss.peak - base - grads) / GIB,
+            "logp_sum": float(lp.detach().double().sum()),
+        }
+    )
+
+
+def run(name: str, T: int, H: int, V: int, chunk: int | None, threads: int) -> dict:
+    """One variant in a fresh process, or ``{"skipped": why}`` when it cannot fit now."""
+    need = (TV_COPIES[name] * T * V + 2 * (T * H + V * H)) * 4 + GIB
+    avail = _available()
+    if need > avail:
+        return {"skipped": f"needs ~{need / GIB:.1f} GiB, {avail / GIB:.1f} GiB available"}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_variant, args=(name, T, H, V, chunk, threads, q))
+    p.start()
+    res = q.get()
+    p.join()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="T = 1024 and 4096, H = 512 (minutes, not hours)")
+    ap.add_argument("--tokens", type=str, default=None, help="comma-separated T values")
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument(
+        "--chunk", type=int, default=None, help="token chunk of both megarl ops (default ~2**24 logits)"
+    )
+    ap.add_argument("--variants", type=str, default="naive,today,fused")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs per variant, alternated (min time, max memory)"
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per variant (0: torch's default)")
+    args = ap.parse_args()
+    tokens = [int(t) for t in (args.tokens or ("1024,4096" if args.quick else "8192,32768")).split(",")]
+    H = args.hidden or (512 if args.quick else 2048)
+    V = args.vocab
+    names = args.variants.split(",")
+    out = []
+    head = f"{'T':>6} {'variant':<6} {'time s':>8} {'fwd s':>7} {'extra GiB':>10} {'x[T,V]':>7}"
+    print(f"{head} {'vs today':>18} {'vs naive':>18}")
+    for T in tokens:
+        tv = T * V * 4 / GIB
+        res: dict[str, dict] = {}
+        for _ in range(args.repeats):  # alternate the variants; keep the fastest time, the largest memory
+            for n in names:
+                r = run(n, T, H, V, args.chunk, args.threads)
+                prev = res.get(n)
+                if prev is None or "skipped" in r:
+                    res[n] = r
+                elif "skipped" not in prev:
+                    prev["extra_gib"] = max(prev["extra_gib"], r["extra_gib"])
+                    prev["time_s"] = min(prev["time_s"], r["time_s"])
+                    prev["forward_s"] = min(prev["forward_s"], r["forward_s"])
+        for n in names:
+            r = res[n]
+            if "skipped" in r:
+                print(f"{T:>6} {n:<6} skipped: {r['skipped']}")
+                out.append({"T": T, "H": H, "V": V, "variant": n, **r})
+                continue
+            cmp = {}
+            for other in ("today", "naive"):
+                o = res.get(other)
+                if o and "skipped" not in o and other != n:
+                    cmp[other] = (r["time_s"] / o["time_s"], r["extra_gib"] / o["extra_gib"])
+            cols = [
+                f"time {cmp[k][0]:.2f}x mem {cmp[k][1]:.3f}x" if k in cmp else "-" for k in ("today", "naive")
+            ]
+            print(
+                f"{T:>6} {n:<6} {r['time_s']:>8.1f} {r['forward_s']:>7.1f} {r['extra_gib']:>10.3f} "
+                f"{r['extra_gib'] / tv:>7.3f} {cols[0]:>18} {cols[1]:>18}"
+            )
+            out.append({"T": T, "H": H, "V": V, "variant": n, "tv_gib": tv, **r, "ratios": cmp})
+        f = res.get("fused", {})
+        if "skipped" not in f and "extra_gib" in f:
+            t = res.get("today", {})
+            time_ok = "time_s" in t and f["time_s"] <= 1.2 * t["time_s"]
+            print(
+                f"{T:>6} targets: fused extra {f['extra_gib'] / tv:.3f} x [T,V] (<= 0.1: "
+                f"{f['extra_gib'] / tv <= 0.1}); fused time vs today "
+                + (
+                    f"{f['time_s'] / t['time_s']:.2f}x (<= 1.2: {time_ok})"
+                    if "time_s" in t
+                    else "n/a (today skipped)"
+                )
+            )
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
