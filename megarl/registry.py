@@ -32,6 +32,8 @@ class PartInfo:
     aggregates_itself: a regulariser that returns its globally normalised scalar itself.
     group_relative: an advantage estimator that scores each sample against the other samples of its
         prompt's group, so a group of one sample gets advantage 0 (the config refuses rollout.n=1).
+    heads: output heads the part reads from ``LossContext.heads``; the run builds the policy with
+        them (scalar heads on its trunk, trained through the same backward: megarl/learner/heads.py).
     """
 
     batch_inputs: tuple[str, ...] = ()
@@ -43,6 +45,7 @@ class PartInfo:
     reads_logits: bool = True
     aggregates_itself: bool = False
     group_relative: bool = False
+    heads: tuple[str, ...] = ()
 
 
 class Registry(Generic[F]):

@@ -240,3 +240,40 @@ def sapo_head_loss(
             n += 1
     n = max(n, 1)
     return value_coef * lv / n + sarsa_coef * lq / n
+
+
+# ----------------------------------------------------------------------------- shared backbone
+def policy_and_value_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    old_logp: torch.Tensor,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    value_coef: float,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    value_kind: str = "clipped",
+    value_clip: float = 0.2,
+    huber_delta: float = 1.0,
+) -> torch.Tensor:
+    """The shared-backbone actor-critic loss, one scalar for one backward:
+
+    L = L_ppo(logits) + c_v · value_loss(V, V_old, R; value_kind)   (token means, response tokens)
+
+    ``values`` [B, L] come from a value head on the same trunk as ``logits`` [B, L, V], so the
+    gradient of the second term reaches the trunk. Provenance: PPO (Schulman et al. 2017), the
+    shared-parameter objective L^{CLIP+VF} with the value coefficient c_1 (its entropy bonus is
+    the objective's separate ``entropy_coef``).
+    """
+    from reference.loss import rl_loss
+
+    pg = rl_loss(
+        logits, tokens, mask, adv, old_logp, policy_loss="ppo", clip_low=clip_low, clip_high=clip_high
+    )
+    return pg + value_coef * value_loss(
+        values, old_values, returns, mask, value_kind, value_clip, huber_delta
+    )

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.convert.plan import Entry, build_plan, expected_hf_names
+from megarl.learner.heads import is_head_parameter
 from megarl.learner.model import ModelSpec
 from megarl.learner.parallel import ParallelGroups
 
@@ -165,7 +166,8 @@ def model_plan(model: torch.nn.Module, groups: ParallelGroups) -> list[Entry]:
 
 
 def _check_local_coverage(model: torch.nn.Module, mine: list[Entry]) -> dict[str, torch.nn.Parameter]:
-    params = dict(model.named_parameters())
+    # extra output heads on the trunk (megarl/learner/heads.py) are not part of the HF model
+    params = {n: p for n, p in model.named_parameters() if not is_head_parameter(n)}
     planned = {e.mcore_name for e in mine}
     not_in_model = sorted(planned - set(params))
     no_source = sorted(set(params) - planned)

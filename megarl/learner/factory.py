@@ -25,10 +25,12 @@ def build_learner(
     trainable: bool = True,
     lr: float | None = None,
     fused_output: str = "auto",
+    heads: tuple[str, ...] = (),
 ):
     """A ``Learner`` for ``hf_config`` under ``groups``. ``lr`` overrides the optimizer's LR with a
     constant one (a supervised warm-up); ``trainable=False``: forward-only, no optimizer state;
-    ``fused_output``: auto | on | off (megarl/learner/fused_output.py)."""
+    ``fused_output``: auto | on | off (megarl/learner/fused_output.py);
+    ``heads``: extra scalar output heads on its trunk (megarl/learner/heads.py)."""
     from megarl.learner.learner import Learner, LearnerConfig
 
     if lr is not None:
@@ -43,6 +45,7 @@ def build_learner(
             params_dtype=dtype,
             seed=seed,
             trainable=trainable,
+            heads=heads,
             fused_output=fused_output,
         ),
         groups,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megarl.batch import PackedBatch
 from megarl.learner.forward import align_logits, packed_inputs, run_model, unwrap
 from megarl.learner.fused_output import FusedHead
+from megarl.learner.heads import align_head, attach_heads, check_heads, head_outputs
 from megarl.learner.model import build_gpt_model, load_hf_config
 from megarl.learner.optim_config import OptimConfig
 from megarl.learner.parallel import ParallelGroups
@@ -65,6 +66,10 @@ class LearnerConfig:
     # the output layer fused with the logprob/entropy op (megarl/learner/fused_output.py): 'auto'
     # where the objective reads only per-token statistics, 'on' (refuse where it cannot), 'off'
     fused_output: str = "auto"
+    # extra scalar output heads on the trunk's final hidden states (megarl/learner/heads.py): trained
+    # by the objective through ``LossContext.heads`` in the same backward, held by the optimizer
+    # and checkpoints, left out of HF export
+    heads: tuple[str, ...] = ()
 
 
 class Learner:
@@ -99,6 +104,8 @@ class Learner:
         )
         if before_wrap is not None:
             before_wrap(model)
+        check_heads(tuple(cfg.heads), groups.layout, cfg.trainable)
+        attach_heads(model, tuple(cfg.heads), groups, cfg.params_dtype)
         self.spec = model.megarl_spec
         self.fused = FusedHead(model, groups, cfg.fused_output, cfg.chunk_tokens)
         self.config = model.config
@@ -218,10 +225,13 @@ class Learner:
         forward_only: bool,
         routing: str | None = None,
         recorded: list | None = None,
+        with_heads: bool = False,
         fused: bool = False,
     ) -> list:
         """Micro-batches through megatron's schedule. ``routing``: None, 'record' (append each
-        micro-batch's local routes to ``recorded``) or 'replay' (use ``mb.routed_experts``)."""
+        micro-batch's local routes to ``recorded``) or 'replay' (use ``mb.routed_experts``).
+        ``with_heads``: ``loss_func(mb, heads, output)`` also gets the output heads' outputs of the
+        micro-batch (``{name: [T]}`` aligned, with their graph; {} without heads)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megarl.learner import routing_replay as rr
@@ -237,6 +247,10 @@ class Learner:
                 out = run_model(model, inputs)
             if routing == "record":
                 recorded.append(rr.collect_local(self.model))
+            if with_heads:
+                heads = {k: align_head(v, mb.cu_seqlens) for k, v in head_outputs(self.model).items()}
+                return out, partial(loss_func, mb, heads)
+            head_outputs(self.model)  # forget them
             return out, partial(loss_func, mb)
 
         if routing is not None:
@@ -344,6 +358,30 @@ class Learner:
         return torch.cat([d["logits"] for d in out])
 
     @torch.no_grad()
+    def compute_head(self, batch: PackedBatch, name: str, num_micro_batches: int = 1) -> torch.Tensor:
+        """Output head ``name``'s values ``[T]`` (float32, every rank) of ``batch`` under the current
+        weights, aligned like ``compute_logprobs`` (first token of each sequence: 0). Collective."""
+        if name not in self.cfg.heads:
+            raise ValueError(
+                f"compute_head: the learner has no output head {name!r} (heads: {list(self.cfg.heads)})"
+            )
+
+        def loss_func(mb: PackedBatch, heads: dict, logits: torch.Tensor):
+            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {"v": heads[name]}
+
+        self.ddp.eval()
+        try:
+            out = self._run_schedule(
+                batch.split(num_micro_batches), loss_func, forward_only=True, with_heads=True
+            )
+        finally:
+            self.ddp.train()
+        values = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.groups.device)
+        if self.groups.is_last_stage:
+            values = torch.cat([d["v"].float() for d in out])
+        return self._from_last_stage(values).cpu()
+
+    @torch.no_grad()
     def record_routes(self, batch: PackedBatch, num_micro_batches: int = 1) -> torch.Tensor:
         """R3 recording: the experts every token is routed to under the current weights,
         ``[T, n_moe_layers, topk]`` int64 on every rank (store it as ``batch.routed_experts``).
@@ -400,9 +438,9 @@ class Learner:
 
         fused = self.fused.enabled(objective)
 
-        def loss_func(mb: PackedBatch, logits: torch.Tensor):
+        def loss_func(mb: PackedBatch, heads: dict, logits: torch.Tensor):
             aligned, mctx = self._loss_inputs(logits, mb, ctx, fused)
-            res = objective(aligned, mb, mctx)
+            res = objective(aligned, mb, replace(mctx, heads=heads) if heads else mctx)
             return res.loss, torch.tensor(1, dtype=torch.int), {}
 
         saved = (self.config.finalize_model_grads_func, self.config.moe_aux_loss_coeff)
@@ -413,7 +451,9 @@ class Learner:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         try:
-            self._run_schedule(batch.split(num_micro_batches), loss_func, forward_only=False, fused=fused)
+            self._run_schedule(
+                batch.split(num_micro_batches), loss_func, forward_only=False, with_heads=True, fused=fused
+            )
         finally:
             self.config.finalize_model_grads_func, self.config.moe_aux_loss_coeff = saved
             self.config.moe_z_loss_coeff = saved_z
@@ -466,9 +506,9 @@ class Learner:
 
         fused = self.fused.enabled(objective)
 
-        def loss_func(mb: PackedBatch, logits: torch.Tensor):
+        def loss_func(mb: PackedBatch, heads: dict, logits: torch.Tensor):
             aligned, mctx = self._loss_inputs(logits, mb, ctx, fused)
-            res = objective(aligned, mb, micro_batch_context(mctx, mb, logits.device))
+            res = objective(aligned, mb, micro_batch_context(mctx, mb, logits.device, heads))
             reported = {"loss": res.loss.detach().reshape(()).float()}
             for k, v in res.metrics.items():
                 reported[k] = torch.as_tensor(v).detach().reshape(()).float()
@@ -491,7 +531,9 @@ class Learner:
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run_schedule(micro, loss_func, forward_only=False, routing=routing, fused=fused)
+        out = self._run_schedule(
+            micro, loss_func, forward_only=False, routing=routing, with_heads=True, fused=fused
+        )
         # metrics: sum over micro-batches, then DP; then send from the last stage to all stages.
         if g.is_last_stage:
             metric_names = sorted(out[0].keys())

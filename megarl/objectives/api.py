@@ -76,12 +76,21 @@ class LossContext:
     # logprobs would be computed): the old logprobs are this forward's, detached, instead of a
     # second forward pass; objectives that support it declare ``current_old_logprobs = True``
     old_is_current: bool = False
+    # outputs of the learner's extra output heads on the policy's trunk (megarl/learner/heads.py),
+    # name -> [T] aligned like the logits, with their graph: a loss on them trains the head and
+    # the trunk in the same backward; {} when the learner has none
+    heads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def micro_batch_context(ctx: LossContext, mb: PackedBatch, device: Any = None) -> LossContext:
+def micro_batch_context(
+    ctx: LossContext, mb: PackedBatch, device: Any = None, heads: dict[str, torch.Tensor] | None = None
+) -> LossContext:
     """``ctx`` for one micro-batch: the teacher's logits travel with their tokens in the batch
     (``mb.token_extras["teacher_logits"]`` [T, V/tp], same sharding as the logits) and reach the
-    objective as ``LossContext.teacher_logits`` (moved to ``device`` when given)."""
+    objective as ``LossContext.teacher_logits`` (moved to ``device`` when given); ``heads``: the
+    micro-batch's output-head outputs (``LossContext.heads``)."""
+    if heads:
+        ctx = dataclasses.replace(ctx, heads=heads)
     t = mb.token_extras.get("teacher_logits")
     if t is None:
         return ctx

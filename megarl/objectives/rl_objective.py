@@ -207,6 +207,14 @@ def _token_mean(x: torch.Tensor, mask: torch.Tensor, norm) -> torch.Tensor:
     return ((x * mask).sum() / max(norm.num_tokens, 1.0)).detach()
 
 
+def objective_heads(cfg: ObjectiveConfig) -> tuple[str, ...]:
+    """The learner output heads the configured parts read (``PartInfo.heads``), in config order."""
+    heads: list[str] = list(POLICY_LOSSES.info(cfg.policy_loss).heads)
+    for reg in cfg.regularisers:
+        heads += REGULARISERS.info(reg["name"]).heads
+    return tuple(dict.fromkeys(heads))
+
+
 def build_objective(cfg: ObjectiveConfig | dict) -> RLObjective:
     """An RLObjective from a config object or a plain dict (unknown keys raise, naming them)."""
     if isinstance(cfg, dict):

@@ -115,9 +115,10 @@ class Run:
 
     def build_learners(self, init_dir: Path) -> None:
         """The policy learner holding ``init_dir``, the learner-side method parts, the objective."""
-        from megarl.objectives.rl_objective import build_objective
+        from megarl.objectives.rl_objective import build_objective, objective_heads
 
-        self.learner = self.make_learner(self.hf)
+        # the output heads the objective's parts read live on the policy's trunk
+        self.learner = self.make_learner(self.hf, heads=objective_heads(self.cfg.objective))
         self.learner.load_hf(str(init_dir))
         try:
             self.method = MethodRuntime.build_learner_side(self.context(), self.spec)
@@ -236,8 +237,11 @@ class Run:
 
         push_weights(self, label, learner)
 
-    def make_learner(self, hf_config: dict, trainable: bool = True, lr: float | None = None):
-        """A learner under the run's layout with the run's optimizer and precision settings."""
+    def make_learner(
+        self, hf_config: dict, trainable: bool = True, lr: float | None = None, heads: tuple[str, ...] = ()
+    ):
+        """A learner under the run's layout with the run's optimizer and precision settings
+        (``heads``: extra output heads on its trunk, megarl/learner/heads.py)."""
         c = self.cfg
         return build_learner(
             hf_config,
@@ -248,6 +252,7 @@ class Run:
             trainable=trainable,
             lr=lr,
             fused_output=c.model.fused_output,
+            heads=heads,
         )
 
     def _make_loaded_learner(self, hf_config: dict, weights_dir: str | Path, trainable: bool = False):

@@ -4,4 +4,5 @@ from megarl.methods.critics import (
     comp_gae,  # noqa: F401  (comp_gae estimator, attention_concentration)
     critic,  # noqa: F401  (registers the ``values`` provider)
     sapo,  # noqa: F401  (sapo_gae estimator)
+    shared,  # noqa: F401  (value_head regulariser: a value head on the policy's trunk)
 )

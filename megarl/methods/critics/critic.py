@@ -19,7 +19,9 @@ the policy's optimizer steps, ``updates_policy``), context (a privileged critic:
 with the ``critic_context`` round input appended, megarl.methods.critics.privileged), model
 (critic: the Megatron critic above | trunk: a small head on the policy's own detached hidden
 states, no second model: megarl.methods.critics.trunk, with layer, head_width, boundaries,
-sarsa_coef and router).
+sarsa_coef and router | shared: a value head on the policy's trunk trained jointly with the policy
+through the ``value_head`` regulariser, value gradients reaching the trunk:
+megarl.methods.critics.shared).
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ class CriticKnobs(Knobs):
             raise ValueError(
                 "boundaries, sarsa_coef and router need model: trunk (a head on the policy's trunk)"
             )
+        if self.model == "shared":
+            from megarl.methods.critics.shared import check_shared_knobs
+
+            check_shared_knobs(self)
         if self.model == "trunk" and self.context:
             raise ValueError("context: true needs model: critic (the trunk reads the policy's own prompt)")
         if self.layer < -1 or self.head_width < 0 or self.sarsa_coef < 0:
@@ -101,11 +107,22 @@ class CriticKnobs(Knobs):
 
 
 VALUE_TARGETS: tuple[str, ...] = ("estimator", "monte_carlo")
-VALUE_MODELS: tuple[str, ...] = ("critic", "trunk")
+VALUE_MODELS: tuple[str, ...] = ("critic", "trunk", "shared")
 
 
 def build_values(ctx: Any, knobs: CriticKnobs) -> Any:
-    """The ``values`` part: the Megatron critic, or a head on the policy's trunk (``model: trunk``)."""
+    """The ``values`` part: the Megatron critic, a detached head on the policy's trunk (``model:
+    trunk``) or the policy's own jointly trained value head (``model: shared``)."""
+    from megarl.methods.critics.shared import HEAD, SharedValues
+
+    if knobs.model == "shared":
+        return SharedValues(ctx, knobs)
+    if HEAD in getattr(getattr(ctx.policy, "cfg", None), "heads", ()):
+        raise ValueError(
+            f"objective.regularisers: value_head trains a value head on the policy's trunk, but "
+            f"inputs.values.model={knobs.model!r} fills the values from another model; set "
+            "inputs.values.model: shared"
+        )
     if knobs.model == "trunk":
         from megarl.methods.critics.trunk import TrunkCritic
 
