@@ -514,6 +514,23 @@ def skald_gate(
     return out
 
 
+def skald_card_accuracy(rewards: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[G, k] rewards of k rollouts per prompt of the policy reading the prompt's skill card ->
+    [G] the teacher's accuracy acc(teacher-context rollouts), the first term of Â_T.
+    Reconstructed (the abstract's "verified rollouts show a positive teacher advantage")."""
+    return (rewards > threshold).double().mean(1)
+
+
+def skald_skill_card(cards: dict, task: str, answer: str):
+    """The card shown with a prompt: the task's card (else the ``*`` card), None when there is none
+    or the prompt's stripped, non-empty answer occurs in it (the explicit-answer filter).
+    Reconstructed: one card per task is the abstraction, the substring test the filter."""
+    card = cards.get(task, cards.get("*"))
+    if card is None or (answer.strip() and answer.strip() in card):
+        return None
+    return card
+
+
 # ----------------------------------------------------------------------------------------------
 # GeoSD: geometric self-distillation. Reconstructed (no source found; the Hellinger pieces match
 # TIDE's code). Per position, full vocabulary, from the student's logits z_θ, the privileged-context

@@ -70,6 +70,13 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "sc-grpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "crpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
+    # the smoke policy reads no card correctly in 2 steps: a negative margin opens SKALD's
+    # teacher-advantage gate, so that the tilted term toward the card-reading self-teacher trains
+    "skald-cards": {
+        "objective": {
+            "regularisers": [{"name": "skald_self", "coef": 1.0, "gate": "teacher_advantage", "margin": -0.5}]
+        }
+    },
     # the smoke policy is never correct in 2 steps: Agon grades with the weighted reward (format too)
     "agon": {"method": {"verdict": "reward"}},
     # the flow models (Megatron DiTs, MoE under EP=2): a narrower DiT and a short flow-matching fit

@@ -240,6 +240,12 @@ def check_signal(name: str, r: dict) -> None:
         for s in r["steps"]:
             fr = [s[f"route/{k}_frac"] for k in ("grpo", "opsd", "regularise", "skip")]
             assert abs(sum(fr) - 1) < 1e-9, fr
+    elif name == "skald-cards":  # the policy read each prompt's card: rollouts and the self-teacher
+        assert _any(r, "skill_card/rollouts") == [16.0] * STEPS and _any(r, "skill_card/prompts_with_card")
+        assert min(_any(r, "self_teacher/forwarded_frac")) > 0 and all(
+            0 <= a <= 1 for a in _any(r, "skill_card/teacher_acc")
+        )
+        assert any(x > 0 for x in _any(r, "train/reg/skald_self")), r["steps"]  # the gate opened
     elif name == "skald":  # the teacher's full logits reached the tilted term every step
         assert len(_any(r, "train/reg/skald")) == STEPS
     elif name == "clip-cov":  # the draw counter of the covariance selection is checkpointed

@@ -6,9 +6,11 @@ Two batch inputs:
   a NaN-padded row (``extras['self_teacher_context']``, an all-NaN row: no context), and the
   correctness that chose it (``extras['self_teacher_correct']``, 1/0). ``source`` says what the
   context holds: ``answer`` (the prompt's reference answer or hint), ``sibling`` (the shortest
-  correct rollout of the same group other than the sample itself) or ``majority`` (the shortest
+  correct rollout of the same group other than the sample itself), ``majority`` (the shortest
   rollout whose extracted answer is the group's majority answer, when its vote share reaches
-  ``min_vote``; nothing of the ground truth is read). ``when`` says which samples get it: ``all``,
+  ``min_vote``; nothing of the ground truth is read) or ``skill_card`` (the card of the prompt's
+  task from the JSONL file ``cards``, withheld where it contains the prompt's answer:
+  megarl/methods/distillation/skill_cards.py). ``when`` says which samples get it: ``all``,
   ``incorrect``, ``group_all_wrong`` (every sample of a group with no correct sample) or
   ``longest_incorrect`` (one per group). Correctness is the run's correctness check, or, with
   ``majority``, agreement with the majority answer. The text is ``template`` formatted with
@@ -48,7 +50,7 @@ CORRECT = "self_teacher_correct"
 ON = "self_teacher_on"
 LOGPROBS = "self_teacher_logprobs"
 LOGITS = "self_teacher_logits"
-SOURCES = ("answer", "sibling", "majority")
+SOURCES = ("answer", "sibling", "majority", "skill_card")
 WHEN = ("all", "incorrect", "group_all_wrong", "longest_incorrect")
 
 
@@ -64,6 +66,7 @@ class ContextKnobs(Knobs):
     max_tokens: int = 64
     answer_pattern: str = ""
     min_vote: float = 0.5
+    cards: str = ""
 
     def check(self) -> None:
         """Names, ranges, a template that formats with ``solution``/``answer`` only, a valid regex."""
@@ -79,6 +82,10 @@ class ContextKnobs(Knobs):
             ) from None
         if self.source == "majority" and "{answer}" in self.template:
             raise ValueError("template: source=majority reads no ground truth, so {answer} is refused")
+        if self.source == "skill_card" and "{answer}" in self.template:
+            raise ValueError("template: source=skill_card shows an answer-free card, so {answer} is refused")
+        if (self.source == "skill_card") != bool(self.cards):
+            raise ValueError("cards (a JSONL file of task cards) is set exactly when source=skill_card")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if not 0.0 <= self.min_vote <= 1.0:
@@ -149,8 +156,13 @@ def choose_contexts(
 class SelfTeacherContext:
     """A ``RoundProcessor``: the context rows and the correctness of the round's samples. Stateless."""
 
-    def __init__(self, tokenizer: Any, knobs: ContextKnobs):
+    def __init__(self, tokenizer: Any, knobs: ContextKnobs, dataset: Any = None):
         self.tokenizer, self.knobs = tokenizer, knobs
+        self.cards = None
+        if knobs.source == "skill_card":
+            from megarl.methods.distillation.skill_cards import CardTexts, read_cards
+
+            self.cards = CardTexts(read_cards(knobs.cards), dataset)
 
     def _correct(self, r: RolloutRound) -> tuple[list[bool], list[bool]]:
         """Per-sample correctness and, per group, whether its contexts may be used."""
@@ -174,18 +186,24 @@ class SelfTeacherContext:
         """The rows of the round (one per sample) and the correctness that chose them."""
         k = self.knobs
         correct, usable = self._correct(r)
+        cards = self.cards.of_round(r) if self.cards is not None else None
         rows: list[list[float]] = []
         used = 0
         for g in range(len(r.prompts)):
             sl = slice(g * r.n, (g + 1) * r.n)
             lengths = [len(x) for x in r.response_ids[sl]]
-            picks = choose_contexts(lengths, correct[sl], k.source, k.when, usable[g])
+            ok = usable[g] and (cards is None or cards[g] is not None)
+            source = "answer" if cards is not None else k.source  # a card: one text for the prompt
+            picks = choose_contexts(lengths, correct[sl], source, k.when, ok)
             for j, pick in enumerate(picks):
                 if pick is None:
                     rows.append([math.nan] * k.max_tokens)
                     continue
-                solution = r.answers[g] if pick == -1 else r.texts[g * r.n + pick]
-                answer = "" if k.source == "majority" else r.answers[g]
+                if cards is not None:
+                    solution = cards[g]
+                else:
+                    solution = r.answers[g] if pick == -1 else r.texts[g * r.n + pick]
+                answer = "" if k.source in ("majority", "skill_card") else r.answers[g]
                 text = k.template.format(solution=solution, answer=answer)
                 where = f"inputs.{CONTEXT}: the context of sample {j} of prompt {r.uids[g]}"
                 rows.append(context_row(self.tokenizer, text, k.max_tokens, where))
@@ -310,10 +328,10 @@ SELF_TEACHER_CONTEXT = register_provider(
     InputProvider(
         (CONTEXT, CORRECT),
         "round",
-        lambda ctx, names: SelfTeacherContext(ctx.tokenizer, ctx.knobs),
+        lambda ctx, names: SelfTeacherContext(ctx.tokenizer, ctx.knobs, ctx.dataset),
         knobs=ContextKnobs,
         summary="per-sample privileged context of the self-teacher (reference answer, a correct sibling, "
-        "a majority-vote solution) and the correctness that chose it",
+        "a majority-vote solution, a skill card) and the correctness that chose it",
     )
 )
 SELF_TEACHER = register_provider(

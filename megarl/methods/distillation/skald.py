@@ -14,12 +14,17 @@ regulariser ``skald``: ``objective.regularisers: [{name: skald, coef: λ, ...}]`
 in ``prepare``:
 
 - ``teacher_advantage``: open when Â_T = acc(teacher-context rollouts) − acc(student rollouts) >
-  ``margin``; the teacher's accuracy per sample's prompt comes in ``extras['teacher_acc']`` [B];
+  ``margin``; the teacher's accuracy per sample's prompt comes in ``extras['teacher_acc']`` [B],
+  measured by the method (``method.teacher_samples`` > 0 with the skill-card self-teacher:
+  rollouts of the policy reading the card, megarl/methods/distillation/skill_cards.py) or given;
 - ``zero_variance``: open on groups whose rewards are all equal (no GRPO signal);
 - ``always``.
 
 The teacher's logits reach the loss as ``LossContext.teacher_logits`` [T, V/tp], sharded like the
-student's (the ``teacher_logits`` input of a Megatron teacher, ``teacher.hf_dir``). The regulariser
+student's (the ``teacher_logits`` input of a Megatron teacher, ``teacher.hf_dir``; or, with the
+regulariser ``skald_self``, the ``self_teacher_logits`` input: the policy itself reading a
+privileged context, the abstract's teacher when ``inputs.self_teacher_context`` has ``source:
+skill_card``). The regulariser
 ``skald_topk`` restricts the tilt to the teacher's top-K ids (input ``teacher_topk``: a Megatron or
 an engine-served teacher; K values per token instead of V/tp): q_T renormalised over the K ids, the
 student's logprobs gathered at them.
@@ -28,6 +33,7 @@ student's logprobs gathered at them.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +43,8 @@ from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops import comm
 from megarl.ops.segments import broadcast_to_tokens, group_all_equal, group_mean
 from megarl.ops.vocab_parallel import vocab_parallel_gather_logprobs, vocab_parallel_logsumexp
-from megarl.plugin.spec import MethodSpec
+from megarl.plugin.knobs import Knobs
+from megarl.plugin.spec import MethodParts, MethodSpec
 from megarl.registry import PartInfo
 
 GATE = "skald_gate"  # extras [B]: 1.0 where the sample's prompt is distilled
@@ -166,11 +173,55 @@ def skald_topk(logits, logp, old_logp, batch, ctx, **knobs) -> torch.Tensor:
 
 REGULARISERS.add("skald", skald, PartInfo(batch_inputs=("teacher_logits",), prepare=prepare))
 REGULARISERS.add("skald_topk", skald_topk, PartInfo(batch_inputs=("teacher_topk",), prepare=prepare))
+# the same term with the self-teacher's logits (the policy reading a privileged context: a skill card)
+REGULARISERS.add("skald_self", skald, PartInfo(batch_inputs=("self_teacher_logits",), prepare=prepare))
+
+
+@dataclass
+class SkaldKnobs(Knobs):
+    """``teacher_samples``: rollouts of the policy reading each prompt's skill card, per prompt and
+    round, whose accuracy is ``extras['teacher_acc']`` (the ``teacher_advantage`` gate's teacher
+    accuracy; 0: none measured, the gate then needs ``teacher_acc`` from elsewhere)."""
+
+    teacher_samples: int = 0
+
+    def check(self) -> None:
+        """``teacher_samples`` >= 0."""
+        if self.teacher_samples < 0:
+            raise ValueError(f"method.teacher_samples={self.teacher_samples} must be >= 0")
+
+
+def build(ctx, knobs: SkaldKnobs) -> MethodParts:
+    """With ``method.teacher_samples`` > 0: the round processor (rank 0) measuring the skill-card
+    self-teacher's accuracy per prompt (needs ``inputs.self_teacher_context`` with ``source:
+    skill_card``)."""
+    if knobs.teacher_samples == 0:
+        return MethodParts()
+    from megarl.methods.distillation.self_teacher import CONTEXT, ContextKnobs
+    from megarl.methods.distillation.skill_cards import CardAccuracy, CardTexts, read_cards
+    from megarl.plugin.knobs import build_knobs
+
+    cfg = ctx.cfg
+    ck = build_knobs(ContextKnobs, dict(cfg.inputs.get(CONTEXT) or {}), f"inputs.{CONTEXT}")
+    if ck.source != "skill_card":
+        raise ValueError(
+            f"method skald: method.teacher_samples={knobs.teacher_samples} measures the skill-card "
+            f"self-teacher's accuracy: set inputs.{CONTEXT}.source: skill_card and its cards file"
+        )
+    if not ctx.rank0:
+        return MethodParts()
+    thr = [float(r.get("correct_threshold", 0.5)) for r in cfg.objective.regularisers if "skald" in r["name"]]
+    texts = CardTexts(read_cards(ck.cards), ctx.dataset)
+    proc = CardAccuracy(ctx, texts, ck.template, knobs.teacher_samples, thr[0] if thr else 0.5)
+    return MethodParts(round_processors=[proc])
+
 
 SPEC = MethodSpec(
     name="skald",
     summary="SKALD: GRPO + an annealed, exponentially tilted teacher cross-entropy on gated prompts",
     provenance="reconstructed",
+    knobs=SkaldKnobs,
+    build=build,
     config={
         "advantage": {"estimator": "grpo"},
         "objective": {
