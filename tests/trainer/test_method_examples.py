@@ -175,6 +175,10 @@ def check_signal(name: str, r: dict) -> None:
     elif name in ("ppo-critic", "ppo-or"):  # the critic filled the values GAE read and trained in the step
         assert len(_any(r, "critic/value_loss")) == STEPS and len(_any(r, "critic/values_old")) == STEPS
         assert st["method"]["step_hooks"] == [[]], st  # its state is sharded (hook_0/ in checkpoints)
+    elif name == "ppo-shared":  # the policy's own value head: V_old from it, trained in the policy's step
+        assert len(_any(r, "train/reg/value_head")) == STEPS and not _any(r, "critic/value_loss"), r["steps"]
+        assert _any(r, "critic/values_old")[0] == 0.0 and _any(r, "critic/values_old")[1] != 0.0, r["steps"]
+        assert st["method"]["step_hooks"] == [[]], st  # the head is in the policy's own checkpoint
     elif name in ("bpco", "bpco-privileged"):  # the critic's warm-up: step 1 the critic only, step 2 both
         assert _any(r, "critic/warmup") == [1.0, 0.0] and len(_any(r, "critic/value_loss")) == STEPS
         assert r["steps"][0]["train/optimizer_steps"] == 0 and "train/loss" not in r["steps"][0]

@@ -101,7 +101,8 @@ class SharedValues:
 
         check_shared_knobs(knobs)
         self.policy, self.knobs = ctx.policy, knobs
-        if HEAD not in getattr(self.policy.cfg, "heads", ()):
+        # (a context without the policy builds the part for its checkpoint state only)
+        if self.policy is not None and HEAD not in getattr(self.policy.cfg, "heads", ()):
             raise ValueError(
                 "inputs.values.model: shared reads the policy's value head, which no objective part "
                 "declares: add {name: value_head, coef: 0.5} to objective.regularisers"
