@@ -1,7 +1,8 @@
 """Agon: rewards and per-model advantages equal reference/gradients.py: agon_step; the loss and its
 logits gradient on Agon's advantages equal the reference under TP 1 and 2, micro-batch and DP
 splits; the zero-sum identity, γ = 0 as two independent GRPO learners, balanced role alternation;
-the two models' updates never touch each other (two tiny Megatron learners)."""
+the two models' updates never touch each other (two tiny Megatron learners); B resumes bit for
+bit from its sharded checkpoint."""
 
 from __future__ import annotations
 
