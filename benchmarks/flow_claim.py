@@ -3,6 +3,7 @@ docs/methods/flowcts.md): one method against its baseline from the same pretrain
 the same seeds and budget.
 
     .venv/bin/python benchmarks/flow_claim.py lc-grpo --steps 30
+    .venv/bin/python benchmarks/flow_claim.py lc-grpo --steps 30 --model megatron
     .venv/bin/python benchmarks/flow_claim.py flowcts --steps 150
 """
 
@@ -12,6 +13,7 @@ import argparse
 import copy
 import json
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -22,12 +24,23 @@ from megarl.methods.gradients.lc_grpo import LCGRPOHook, LCGRPOKnobs
 GAP_KEYS = ("lc_grpo/reward_sde", "lc_grpo/reward_ode", "lc_grpo/sde_ode_gap")
 
 
-def lc_grpo(steps: int) -> dict:
+def _lc_hook(sampler: str, model: str, base) -> LCGRPOHook:
+    """An LC-GRPO hook on a copy of the pretrained MLP ``base``, or on the Megatron DiT of the
+    example's shape (one process: pretrained afresh from the same seed, so the same weights)."""
+    if model == "mlp":
+        return LCGRPOHook(LCGRPOKnobs(sampler=sampler), copy.deepcopy(base))
+    from megarl.learner.parallel import ParallelLayout, initialize_parallel
+
+    ctx = SimpleNamespace(groups=initialize_parallel(ParallelLayout()))
+    return LCGRPOHook(LCGRPOKnobs(sampler=sampler, model="megatron", hidden=32), ctx=ctx)
+
+
+def lc_grpo(steps: int, model: str = "mlp") -> dict:
     """Flow-GRPO's SDE vs LC transitions: SDE and ODE rewards and their gap (mean of the last 5 steps)."""
-    base = replicated_model(LCGRPOKnobs(), 0, LCGRPOKnobs().pretrain_steps)
+    base = replicated_model(LCGRPOKnobs(), 0, LCGRPOKnobs().pretrain_steps) if model == "mlp" else None
     out = {}
     for sampler in ("flow_grpo", "lc"):
-        hook = LCGRPOHook(LCGRPOKnobs(sampler=sampler), copy.deepcopy(base))
+        hook = _lc_hook(sampler, model, base)
         recs = [hook.after_step(s, {}) for s in range(1, steps + 1)]
         out[sampler] = {k: round(sum(r[k] for r in recs[-5:]) / len(recs[-5:]), 4) for k in GAP_KEYS}
         out[sampler]["step1"] = {k: round(recs[0][k], 4) for k in GAP_KEYS}
@@ -55,10 +68,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("method", choices=("lc-grpo", "flowcts"))
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--model", choices=("mlp", "megatron"), default="mlp", help="lc-grpo's flow model")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
-    res = lc_grpo(args.steps) if args.method == "lc-grpo" else flowcts(args.steps)
+    if args.method == "flowcts" and args.model != "mlp":
+        ap.error("--model megatron: lc-grpo only (the flowcts check runs on the MLP)")
+    res = lc_grpo(args.steps, args.model) if args.method == "lc-grpo" else flowcts(args.steps)
     res["wall_s"] = round(time.time() - t0, 1)
     print(json.dumps(res))
 

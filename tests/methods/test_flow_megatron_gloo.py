@@ -21,7 +21,7 @@ from megarl.testing.gloo_pool import GlooPool
 
 LAYOUTS = {"tp1": ({}, 0), "tp2": ({"tp": 2}, 0), "ep2": ({"ep": 2}, 4)}
 DIT = {"hidden": 16, "layers": 2, "heads": 2, "ffn": 32, "topk": 2}
-G, GROUPS, STATES = 3, 2, 6
+G, GROUPS, STATES = 2, 2, 4
 
 
 @pytest.fixture(scope="module")
