@@ -564,3 +564,25 @@ def geosd_loss(
     logits: [B, L, V] -> [B, L]"""
     h2 = hellinger_sq(teacher_logits.detach(), student_logits)
     return h2 + beta * fisher_rao_sq(student_logits, ck_logits.detach())
+
+
+def geosd_natural_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    ck_logits: torch.Tensor,
+    beta: float = 0.1,
+    damping: float = 1e-3,
+) -> torch.Tensor:
+    """Per-token GeoSD loss with the output-space natural-gradient step: the value of ``geosd_loss``,
+    and a logits gradient ĝ = (diag(q) − q qᵀ + λI)^{-1} g per token, g the autograd gradient of
+    ``geosd_loss``, solved densely. Reconstructed (GeoSD's "natural gradient in sqrt(q)-space mapped
+    back through the logits", damped by λ). logits: [B, L, V] -> [B, L]"""
+    z = student_logits.detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(geosd_loss(z, teacher_logits, ck_logits, beta).sum(), z)
+    q = torch.softmax(student_logits.detach().double(), -1)
+    eye = torch.eye(q.shape[-1], dtype=q.dtype)
+    fisher = torch.diag_embed(q) - q.unsqueeze(-1) * q.unsqueeze(-2) + damping * eye
+    nat = torch.linalg.solve(fisher, g.double().unsqueeze(-1)).squeeze(-1).to(student_logits.dtype)
+    value = geosd_loss(student_logits.detach(), teacher_logits, ck_logits, beta)
+    part = (student_logits * nat).sum(-1)
+    return value + part - part.detach()

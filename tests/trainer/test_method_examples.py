@@ -145,8 +145,9 @@ def check_signal(name: str, r: dict) -> None:
         assert len(d) == STEPS and any(x != 0 for x in d), d
         t = r["teacher"]  # a trained teacher (MoE), not random weights: it knows the task
         assert t["eval_nll"] < 0.5 * t["student_eval_nll"], t
-    elif name == "geosd":  # only its term trains; the lagged copy was refreshed at step 1, then aged
-        assert len(_any(r, "train/reg/geosd")) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
+    elif name in ("geosd", "geosd-natural"):  # only its term trains; the lagged copy refreshed at step 1
+        reg = "train/reg/geosd" if name == "geosd" else "train/reg/geosd_natural"
+        assert len(_any(r, reg)) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
         assert _any(r, "geosd/checkpoint_age") == [0.0, 1.0]
     elif name == "srpo":  # patches were made, and read by the privileged forward
         assert min(_any(r, "srpo/patch_frac")) > 0 and min(_any(r, "reflection_logprobs/forwarded_frac")) > 0

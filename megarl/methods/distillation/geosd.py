@@ -19,8 +19,20 @@ Per position, over the full vocabulary (vocab-parallel, never gathered):
   predictions near it. After a resume the copy restarts from the resumed policy.
 
 Registered as the regulariser ``geosd`` (``objective.regularisers: [{name: geosd, coef, beta}]``).
-The natural-gradient update of the method is not built: the step is the run's optimizer (Adam);
-docs/methods/geosd.md says which variants exist and what they would need.
+
+``geosd_natural`` (same knobs plus ``damping`` λ) is the output-space natural-gradient step of the
+method (its option (b), reconstructed): the same loss value, but the logits gradient of every
+token is the damped natural gradient in the Fisher metric of the categorical,
+
+    ĝ_t = (F_t + λI)^{-1} g_t,   F_t = diag(q_t) − q_t q_tᵀ,   g_t = ∂ℓ_t/∂z_t
+
+(F_t is the Fisher information of softmax(z_t) in logit coordinates, the pull-back of 4× the
+Euclidean metric of sqrt(q)-space, where H and d_FR are the chordal and geodesic distances: ĝ is
+the sqrt(q)-space step mapped back through the logits). g_t is analytic (the Hellinger and
+Fisher-Rao logit gradients), ĝ_t from Sherman-Morrison with two vocab-parallel sums per token, so
+nothing is gathered over TP; the network's parameters then get ĝ backpropagated (a Gauss-Newton
+step through the logits; the run's optimizer still applies it). A parameter-space K-FAC or Shampoo
+preconditioner (option (a)) is not built: docs/methods/geosd.md says why.
 """
 
 from __future__ import annotations
@@ -32,7 +44,12 @@ import torch
 
 from megarl.batch import PackedBatch
 from megarl.objectives.regularisers import REGULARISERS
-from megarl.ops.vocab_parallel import vocab_parallel_bhattacharyya, vocab_parallel_hellinger_sq
+from megarl.ops import comm
+from megarl.ops.vocab_parallel import (
+    vocab_parallel_bhattacharyya,
+    vocab_parallel_hellinger_sq,
+    vocab_parallel_logsumexp,
+)
 from megarl.plugin.inputs import InputProvider, register_provider
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.spec import MethodSpec
@@ -63,6 +80,56 @@ def geosd(logits, logp, old_logp, batch, ctx, beta: float = 0.1) -> torch.Tensor
     h2 = vocab_parallel_hellinger_sq(teacher, logits, ctx.tp_group, ctx.chunk_tokens)
     bc = vocab_parallel_bhattacharyya(logits, ck, ctx.tp_group, ctx.chunk_tokens)
     return (h2 + beta * fisher_rao_sq(bc)).to(logp.dtype)
+
+
+def fisher_rao_sq_slope(bc: torch.Tensor) -> torch.Tensor:
+    """d(d_FR²)/dBC of ``fisher_rao_sq``: −8 arccos(BC)/sqrt(1 − BC²), and −8 on its expansion."""
+    c = torch.clamp(bc, max=BC_MAX)
+    far = -8.0 * torch.arccos(c) / torch.sqrt(1.0 - c * c)
+    return torch.where(bc > BC_MAX, torch.full_like(bc, -8.0), far)
+
+
+def _probs(z: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    """softmax of vocab-parallel logits on this rank's shard [T, V/tp] (global normaliser)."""
+    return torch.exp(z - vocab_parallel_logsumexp(z, tp_group).unsqueeze(-1))
+
+
+@torch.no_grad()
+def natural_logit_grad(
+    logits: torch.Tensor,
+    teacher: torch.Tensor,
+    ck: torch.Tensor,
+    beta: float,
+    damping: float,
+    tp_group: Any = None,
+) -> torch.Tensor:
+    """ĝ = (diag(q) − q qᵀ + λI)^{-1} ∂ℓ/∂z per token on this rank's vocab shard [T, V/tp], ℓ the
+    GeoSD loss (see the module docstring); two all-reduces for the BCs, one for the solve."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    z, zt, zc = logits.detach().to(acc), teacher.detach().to(acc), ck.detach().to(acc)
+    q, p, r = _probs(z, tp_group), _probs(zt, tp_group), _probs(zc, tp_group)
+    sp, sr = torch.sqrt(p * q), torch.sqrt(q * r)
+    bcs = comm.all_reduce(torch.stack([sp.sum(-1), sr.sum(-1)]), "sum", tp_group)
+    bc_t, bc_c = bcs[0].unsqueeze(-1), bcs[1].unsqueeze(-1)
+    g = -0.5 * (sp - q * bc_t) + beta * fisher_rao_sq_slope(bcs[1]).unsqueeze(-1) * 0.5 * (sr - q * bc_c)
+    d = q + damping
+    ab = comm.all_reduce(torch.stack([(q * g / d).sum(-1), (q * q / d).sum(-1)]), "sum", tp_group)
+    return g / d + (q / d) * (ab[0] / (1.0 - ab[1])).unsqueeze(-1)
+
+
+def geosd_natural(
+    logits, logp, old_logp, batch, ctx, beta: float = 0.1, damping: float = 1e-3
+) -> torch.Tensor:
+    """Per-token GeoSD loss whose logits gradient is the damped natural gradient ĝ (the value is
+    ``geosd``'s; the objective aggregates it, times ``coef``)."""
+    if damping <= 0:
+        raise ValueError(f"regulariser geosd_natural: damping={damping!r} must be > 0")
+    value = geosd(logits.detach(), logp, old_logp, batch, ctx, beta=beta).detach()
+    teacher = ctx.teacher_logits.to(logits.device)
+    ck = batch.token_extras[CHECKPOINT].to(logits.device)
+    nat = natural_logit_grad(logits, teacher, ck, beta, damping, ctx.tp_group).to(logits.dtype)
+    part = (logits * nat).sum(-1)  # this shard's part: its gradient w.r.t. the shard's logits is ĝ
+    return value + (part - part.detach()).to(logp.dtype)
 
 
 @dataclass
@@ -125,6 +192,7 @@ register_provider(
     )
 )
 REGULARISERS.add("geosd", geosd, PartInfo(batch_inputs=(TEACHER, CHECKPOINT)))
+REGULARISERS.add("geosd_natural", geosd_natural, PartInfo(batch_inputs=(TEACHER, CHECKPOINT)))
 
 SPEC = MethodSpec(
     name="geosd",
