@@ -21,11 +21,13 @@ Behaviour measured on SGLang 0.5.23 that shapes this client (see megarl/testing/
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from megarl.rollout.http_base import HttpEngine
 from megarl.rollout.types import (
     BadRequestError,
+    EngineDeadError,
     GenerateRequest,
     GenerateResult,
     RolloutError,
@@ -217,6 +219,175 @@ class SGLangEngine(HttpEngine):
         if version is not None:
             self.weight_version = version
 
+    async def update_weights_from_tensors(self, state: dict, version: str | None = None) -> None:
+        """Send the HF-named tensors ``state`` to the server in memory; see ``update_weights_streamed``."""
+        from megarl.rollout.memory_sync import plan_buckets
+
+        await self.update_weights_streamed(list(state), plan_buckets(state), version)
+
+    async def update_weights_streamed(
+        self, names: list[str], buckets: Iterable[dict], version: str | None = None
+    ) -> None:
+        """Stream ``buckets`` (dicts of HF-named tensors, consumed once, e.g. straight from the
+        learner's gather) into the server over a torch.distributed group (megarl/rollout/sglang_sync.py):
+        one ``/update_weights_from_distributed`` call per bucket while its tensors are broadcast.
+        New requests wait client-side and the ones in flight finish first. ``names``: every tensor
+        the buckets will hold.
+
+        Raises ``WeightsDirError`` naming the tensors (nothing sent) when ``names`` differ from the
+        served model's. A failure before the first bucket reached the server leaves it on its old
+        weights and version (the error is re-raised); a failure after that (weights partly new,
+        group broken, server gone) marks the engine dead and raises ``EngineDeadError``.
+        """
+        import asyncio
+
+        if self._reference_names is not None:
+            missing = sorted(self._reference_names - set(names))
+            unknown = sorted(set(names) - self._reference_names)
+            if missing or unknown:
+                raise WeightsDirError(
+                    f"{self.name}: in-memory weights do not match the served model: "
+                    f"missing {missing[:5]}, unknown {unknown[:5]}"
+                )
+        await HttpEngine.pause(self)  # new requests wait here
+        sent = 0  # buckets whose transfer started: from the first one on, the weights may be mixed
+        try:
+            while self._inflight:
+                await asyncio.sleep(0.05)
+            channel = await self._weight_channel()
+            digests = self._digests()
+            await self._control("/begin_weight_update", {})
+            it = iter(buckets)
+            try:
+                while (bucket := await asyncio.to_thread(next, it, None)) is not None:
+                    sent += 1
+                    await self._sync_bucket(channel, bucket, digests)
+            finally:
+                await self._control("/end_weight_update", {})
+            if digests is not None:
+                await self._verify(digests)
+            await self._flush_after_sync()
+            if version is not None:
+                body = {"new_version": version, "abort_all_requests": False}
+                await self._control("/update_weight_version", body)
+                self.weight_version = version
+        except Exception as e:
+            if sent == 0 and self.dead_reason is None and not isinstance(e, EngineDeadError):
+                raise  # nothing reached the server: it serves the old weights
+            why = f"in-memory weight sync failed after {sent} bucket(s) started"
+            self.mark_dead(f"{why}: {e}")
+            raise EngineDeadError(f"{self.name}: {why}; the server must be restarted ({e})") from e
+        finally:
+            await HttpEngine.resume(self)
+
+    async def _flush_after_sync(self, wait_s: float = 30.0) -> None:
+        """Drop the cache the old weights computed; SGLang refuses while requests (another
+        client's) still run, so retry for ``wait_s``."""
+        import asyncio
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while not await self.flush_cache():
+            if time.monotonic() > deadline:
+                raise RolloutError(f"the cache of the old weights could not be flushed in {wait_s:.0f} s")
+            await asyncio.sleep(0.2)
+
+    async def _control(self, path: str, body: dict, timeout_s: float = 3600.0) -> dict:
+        """One admin call that answers ``{"success": ..., "message": ...}``; raises on failure."""
+        out = await self.request("POST", path, json_body=body, admin=True, timeout_s=timeout_s)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise RolloutError(f"{self.name}: {path} failed: {out.get('message')}")
+        return out
+
+    async def _sync_bucket(self, channel, bucket: dict, digests) -> None:
+        """Announce one bucket and broadcast its tensors at the same time."""
+        import asyncio
+
+        from megarl.rollout.sglang_sync import bucket_meta
+
+        body = {**bucket_meta(bucket), "group_name": channel.group_name, "flush_cache": False}
+        await _together(
+            self._control("/update_weights_from_distributed", body),
+            asyncio.to_thread(channel.send_bucket, bucket, digests),
+        )
+
+    def _digests(self):
+        """What to check after a sync: SGLang's CPU engine hashes each parameter with SHA-256
+        (``/weights_checker``), which the trainer can recompute; its GPU hash and sharded (TP > 1)
+        parameters cannot be, so those syncs rely on the transfer alone."""
+        import torch
+
+        from megarl.rollout.sglang_sync import EngineDigests
+
+        info = self._sync_info
+        dtype = getattr(torch, str(info.get("dtype")), None)
+        if (
+            info.get("device") != "cpu"
+            or int(info.get("tp_size", 1)) != 1
+            or not isinstance(dtype, torch.dtype)
+        ):
+            return None
+        return EngineDigests(dtype)
+
+    async def _verify(self, digests) -> None:
+        """Compare SGLang's checksum of every parameter the sync wrote with the trainer's (a
+        parameter only one side names, e.g. of a layout not in ``sglang_sync.FUSED``, is not
+        checked; ``last_sync_check`` says how many were)."""
+        out = await self._control("/weights_checker", {"action": "checksum"})
+        engine: dict[str, str] = {}
+        for rank in out.get("ranks") or []:
+            engine.update(rank.get("checksums") or {})
+        checked, differ = digests.compare(engine)
+        self.last_sync_check = {"checked": checked, "sent": len(digests.digests), "differ": differ}
+        if differ:
+            raise RolloutError(
+                f"checksums after the sync differ from the trainer's for {len(differ)} of {checked} "
+                f"parameters ({differ[:5]})"
+            )
+
+    async def _weight_channel(self):
+        """The group with this server's ranks, opened on first use (backend by the server's device)."""
+        import asyncio
+
+        from megarl.rollout.memory_sync import channel_host
+        from megarl.rollout.sglang_sync import GroupChannel, backend_for_device
+
+        if getattr(self, "_channel", None) is not None:
+            return self._channel
+        info = await self.server_info()
+        if int(info.get("pp_size", 1)) > 1 or int(info.get("dp_size", 1)) > 1:
+            raise RolloutError(
+                f"{self.name}: SGLang receives weights in memory with tensor parallelism only "
+                f"(pp_size={info.get('pp_size')}, dp_size={info.get('dp_size')}); "
+                "use rollout.weight_sync: disk"
+            )
+        self._sync_info = info
+        backend = backend_for_device(str(info.get("device", "cuda")))
+        channel = GroupChannel.host_store(
+            channel_host(self.base_url), 1 + int(info.get("tp_size", 1)), backend=backend
+        )
+        try:
+            await _together(
+                self._control("/init_weights_update_group", channel.invitation()),
+                asyncio.to_thread(channel.join),
+            )
+        except Exception as e:
+            raise RolloutError(f"{self.name}: could not open the weight-sync group: {e}") from e
+        self._channel = channel
+        return channel
+
+    async def close(self) -> None:
+        """Leave the weight-sync group (SGLang keeps a group until told) and close the client."""
+        channel = getattr(self, "_channel", None)
+        if channel is not None and self.dead_reason is None:
+            self._channel = None
+            try:
+                body = {"group_name": channel.group_name}
+                await self.request("POST", "/destroy_weights_update_group", json_body=body, admin=True)
+            except RolloutError:
+                pass  # the server is gone or busy: its group goes with it
+        await super().close()
+
     async def pause(self, mode: str = "abort") -> None:
         """``/pause_generation``: "abort" ends in-flight requests (they return partial output with
         finish_reason "abort"), "in_place" freezes them until ``resume``. New requests wait client-side."""
@@ -270,3 +441,19 @@ class SGLangEngine(HttpEngine):
     async def server_info(self) -> dict:
         """``/get_server_info`` (server args and internal state)."""
         return await self.request("GET", "/get_server_info")
+
+
+async def _together(call, transfer) -> None:
+    """Run an HTTP call and the matching group transfer together. If one fails the other is not
+    awaited: the transfer's thread waits for its peer until the group's timeout, and its error,
+    if any, is dropped."""
+    import asyncio
+
+    tasks = [asyncio.ensure_future(call), asyncio.ensure_future(transfer)]
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for t in tasks:
+        if not t.done():
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
+    for t in done:
+        if t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]

@@ -68,10 +68,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             "rollout.launch=true starts one vLLM server: it needs rollout.engine='vllm' and no rollout.urls"
         )
-    if r.weight_sync == "memory" and r.engine != "vllm":
+    if r.weight_sync == "memory" and r.engine not in ("vllm", "sglang"):
         raise ConfigError(
-            f"rollout.weight_sync='memory' sends weights to vLLM servers; rollout.engine={r.engine!r} "
-            "takes them from disk (sglang) or in process (embedded): use weight_sync: disk"
+            "rollout.weight_sync='memory' sends weights to vLLM or SGLang servers; "
+            f"rollout.engine={r.engine!r} takes them in process: use weight_sync: disk (or auto)"
         )
     if r.weight_sync == "memory" and cfg.async_loop.enabled and cfg.async_loop.partial_rollout == "continue":
         raise ConfigError(

@@ -54,7 +54,7 @@ class ParallelConfig:
 class RolloutConfig:
     """How responses are sampled. ``engine: embedded`` generates in this process with the current
     weights (synced in memory after every step); ``vllm`` / ``sglang`` talk to servers at ``urls``
-    and reload weights from disk (vLLM: or in memory, see ``weight_sync``)."""
+    and reload weights from disk or in memory (see ``weight_sync``)."""
 
     engine: Literal["embedded", "vllm", "sglang"] = "embedded"
     urls: list = field(default_factory=list)
@@ -68,9 +68,10 @@ class RolloutConfig:
     max_new_tokens: int = 16
     max_concurrency: int = 64
     weights_dir: str | None = None  # server engines: where exported weights go (default run_dir/weights)
-    # vllm: how weights reach the servers. disk: an exported HF checkpoint the servers reload;
-    # memory: the tensors sent over a gloo channel to the servers' workers (needs megarl's weight
-    # receiver in the server: rollout.launch adds it); auto: memory with rollout.launch, else disk
+    # how weights reach the servers. disk: an exported HF checkpoint the servers reload;
+    # memory: the tensors sent over a torch.distributed group to the servers' workers (vLLM: needs
+    # megarl's weight receiver, which rollout.launch adds; SGLang: its own weight-update group, gloo
+    # on CPU, NCCL on GPU); auto: memory with rollout.launch, else disk
     weight_sync: Literal["auto", "disk", "memory"] = "auto"
     launch: bool = False  # vllm: start one server on this node (vLLM venv) serving the initial policy
     server_python: str | None = None  # launch: the vLLM venv's python (default: .venv-vllm)

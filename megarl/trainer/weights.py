@@ -1,8 +1,8 @@
 """Weight sync from the learner to the rollout engine (collective: every rank exports its shards).
 
 The embedded engine takes the HF-named tensors in memory; server engines (vLLM, SGLang) reload an
-exported HF checkpoint directory ``weights_dir/vNNNNNN``, or (vLLM, ``rollout.weight_sync: memory``)
-receive the tensors over a gloo channel. The asynchronous loop brackets a sync
+exported HF checkpoint directory ``weights_dir/vNNNNNN``, or (``rollout.weight_sync: memory``)
+receive the tensors over a torch.distributed group. The asynchronous loop brackets a sync
 with its producer's pause/abort and resume (megarl/trainer/rollout_producer.py). A step hook that
 is a ``RolloutWeights`` (parameter-space exploration) changes the learner's weights around each
 sync and restores them after it; ``push_weights`` is what method parts call to push weights of

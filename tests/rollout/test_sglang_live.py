@@ -268,3 +268,121 @@ def test_live_key_policy(sglang_server, tiny_models):
                 await eng.pause()
 
     run(go())
+
+
+def _state(model_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def test_live_memory_sync_streams_buckets_and_labels_the_version(sglang_server, tiny_models):
+    """rollout.weight_sync: memory with SGLang: the weights travel over a gloo group into the
+    server (no checkpoint on disk), in many small buckets; SGLang's checksum of every parameter
+    equals the trainer's; greedy output then equals transformers' on the new weights and samples
+    carry the new version; syncing v1 back restores v1's output."""
+    from megarl.rollout.memory_sync import plan_buckets
+    from megarl.rollout.sglang_sync import EngineDigests, engine_name
+
+    v1, v2 = str(tiny_models["v1"]), str(tiny_models["v2"])
+
+    async def go():
+        async with sglang_server.client() as eng:
+            state = _state(v2)
+            buckets = plan_buckets(state, bucket_bytes=64 << 10)
+            t0 = time.monotonic()
+            await eng.update_weights_streamed(list(state), iter(buckets), "v2m")
+            sync_s = time.monotonic() - t0
+            g2 = (await eng.generate(PROMPT, 1, GREEDY)).samples[0]
+            info = await eng.model_info()
+            check = dict(eng.last_sync_check)
+            # the check can fail: v1's digests against the server holding v2 differ wherever
+            # the two weight sets do (the norms, all ones in both, do not)
+            stale, old = EngineDigests(torch.float32), _state(v1)
+            for name, t in old.items():
+                stale.add(name, t)
+            answer = await eng.request("POST", "/weights_checker", json_body={}, admin=True)
+            stale_checked, stale_differ = stale.compare(answer["ranks"][0]["checksums"])
+            changed = {engine_name(k)[0] for k in old if not torch.equal(old[k], state[k])}
+            await eng.update_weights_from_tensors(_state(v1), "v1m")
+            g1 = (await eng.generate(PROMPT, 1, GREEDY)).samples[0]
+            await eng.update_weights(v1, "v1")  # the label the other tests expect
+            return len(buckets), sync_s, g2, info, g1, check, (stale_checked, set(stale_differ), changed)
+
+    n, sync_s, g2, info, g1, check, stale = run(go())
+    print(f"\nin-memory sync of the tiny model in {n} buckets: {sync_s:.2f} s")
+    assert n > 5
+    assert g2.token_ids == hf_greedy(v2, PROMPT, 16) and g2.weight_version == "v2m"
+    assert info["weight_version"] == "v2m"
+    assert g1.token_ids == hf_greedy(v1, PROMPT, 16) and g1.weight_version == "v1m"
+    # SGLang's own checksum of every parameter written (q/k/v and gate/up fused) = the trainer's
+    assert check["differ"] == [] and check["checked"] == check["sent"] == 19
+    stale_checked, stale_differ, changed = stale
+    assert stale_checked == 19 and stale_differ == changed and len(changed) == 10
+
+
+def test_live_memory_sync_interrupted(sglang_server, tiny_models):
+    """A sync that fails before its first bucket leaves the server on the old weights and version
+    (engine still up); one that fails after a bucket reached the server (weights partly new) marks
+    the engine dead, and a pool drains it. A disk reload then restores the server."""
+    from megarl.rollout.memory_sync import plan_buckets
+    from megarl.rollout.pool import EnginePool
+    from megarl.rollout.types import EngineDeadError, NoHealthyEngineError
+
+    v1, v2 = str(tiny_models["v1"]), str(tiny_models["v2"])
+    state = _state(v2)
+    buckets = plan_buckets(state, bucket_bytes=64 << 10)
+
+    def failing_after(k: int):
+        yield from buckets[:k]
+        raise RuntimeError("the learner's gather failed")
+
+    async def go():
+        async with sglang_server.client() as eng:
+            with pytest.raises(RuntimeError, match="gather failed"):
+                await eng.update_weights_streamed(list(state), failing_after(0), "never")
+            untouched = (eng.dead_reason, (await eng.generate(PROMPT, 1, GREEDY)).samples[0])
+        eng = sglang_server.client()
+        pool = EnginePool([eng])
+        with pytest.raises(NoHealthyEngineError):
+            await pool.update_weights_streamed(list(state), failing_after(2), "never")
+        dead = eng.dead_reason
+        with pytest.raises(EngineDeadError):
+            await eng.generate(PROMPT, 1, GREEDY)
+        await pool.close()
+        async with sglang_server.client() as fresh:
+            await fresh.update_weights(v1, "v1")
+            restored = (await fresh.generate(PROMPT, 1, GREEDY)).samples[0]
+        return untouched, dead, restored
+
+    (dead_before, kept), dead, restored = run(go())
+    assert dead_before is None
+    assert kept.token_ids == hf_greedy(v1, PROMPT, 16) and kept.weight_version == "v1"
+    assert dead is not None and "after 2 bucket(s) started" in dead
+    assert restored.token_ids == hf_greedy(v1, PROMPT, 16) != hf_greedy(v2, PROMPT, 16)
+
+
+def test_live_trainer_engine_keys_and_vocabulary_guard(sglang_server, monkeypatch):
+    """The engine the trainer builds for servers at rollout.urls presents the job's keys (from
+    the environment) and refuses an out-of-vocabulary id client-side: such an id kills SGLang."""
+    from megarl.rollout.keys import ADMIN_KEY_ENV, API_KEY_ENV
+    from megarl.trainer.config_sections import RolloutConfig
+    from megarl.trainer.servers import connect_servers
+
+    monkeypatch.setenv(API_KEY_ENV, sglang_server.keys.api_key)
+    monkeypatch.setenv(ADMIN_KEY_ENV, sglang_server.keys.admin_key)
+    r = RolloutConfig(engine="sglang", urls=[sglang_server.url])
+    eng = connect_servers(r, log=lambda *_: None, vocab_size=sglang_server.vocab_size)
+
+    async def go():
+        try:
+            ok = (await eng.generate(PROMPT, 1, GREEDY)).samples[0]
+            with pytest.raises(BadRequestError, match="1024"):
+                await eng.generate([5, 1024, 7])
+            assert await eng.flush_cache()  # the admin key reaches a control route
+            return ok
+        finally:
+            await eng.close()
+
+    assert len(run(go()).token_ids) == 16
+    assert sglang_server.alive()

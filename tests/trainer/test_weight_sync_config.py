@@ -1,5 +1,5 @@
-"""``rollout.weight_sync``: auto resolves to memory only for a vLLM server the run launches, and
-memory is refused where it cannot work, naming the keys."""
+"""``rollout.weight_sync``: auto resolves to memory only for a vLLM server the run launches, memory
+is accepted for vLLM and SGLang servers, and refused where it cannot work, naming the keys."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ QUICKSTART = "examples/quickstart.yaml"
         (["rollout.engine=vllm", "rollout.urls=[http://h:8000]"], "disk"),
         (["rollout.engine=vllm", "rollout.urls=[http://h:8000]", "rollout.weight_sync=memory"], "memory"),
         (["rollout.engine=vllm", "rollout.launch=true", "rollout.weight_sync=disk"], "disk"),
+        (["rollout.engine=sglang", "rollout.urls=[http://h:30000]"], "disk"),
+        (["rollout.engine=sglang", "rollout.urls=[http://h:30000]", "rollout.weight_sync=memory"], "memory"),
     ],
 )
 def test_auto_is_memory_only_for_a_launched_vllm_server(overrides, mode):
@@ -29,10 +31,9 @@ def test_auto_is_memory_only_for_a_launched_vllm_server(overrides, mode):
     "overrides, message",
     [
         (
-            ["rollout.engine=sglang", "rollout.urls=[http://h:30000]", "rollout.weight_sync=memory"],
-            "rollout.weight_sync='memory' sends weights to vLLM servers; rollout.engine='sglang'",
+            ["rollout.weight_sync=memory"],
+            "rollout.weight_sync='memory' sends weights to vLLM or SGLang servers; rollout.engine='embedded'",
         ),
-        (["rollout.weight_sync=memory"], "rollout.engine='embedded'"),
         (
             [
                 "rollout.engine=vllm",
