@@ -95,3 +95,28 @@ def test_serve_entry_point_refuses_without_keys_and_reports_launch_failure(tiny_
     )
     assert r.returncode == 1 and "No module named 'vllm'" in r.stderr  # the server's log tail, named
     assert keys.api_key not in r.stderr
+
+
+def test_sglang_launch_files_that_can_hold_keys_are_private(tiny_models, tmp_path):
+    """SGLang prints both API keys into its log at start-up: the launcher's work directory is 0700,
+    the log and the keys file 0600 (a log left 0644 by an earlier server too), and the command line
+    it logs names the keys file, not the keys. The project venv has no SGLang, so the server exits
+    at once; the files are made before that."""
+    import stat
+
+    from megarl.rollout.server_process import SGLangServer, SGLangServerConfig
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_bytes((tiny_models["v1"] / "config.json").read_bytes())
+    keys = RolloutKeys.generate()
+    server = SGLangServer(SGLangServerConfig(model_dir=str(model), python=sys.executable), keys)
+    assert server.work_dir.parent == tmp_path and stat.S_IMODE(server.work_dir.stat().st_mode) == 0o700
+    server.log_path.write_text("from an earlier server\n")
+    server.log_path.chmod(0o644)
+    with pytest.raises(ServerLaunchError, match="(?s)exited with code 1.*No module named 'sglang'"):
+        server.start()
+    assert stat.S_IMODE(server.log_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((server.work_dir / "sglang-keys.yaml").stat().st_mode) == 0o600
+    log = server.log_path.read_text()
+    assert "--config" in log and keys.api_key not in log and keys.admin_key not in log
