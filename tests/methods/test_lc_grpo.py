@@ -165,3 +165,29 @@ def test_knobs_are_checked_and_the_example_loads():
     assert cfg["method"]["name"] == "lc-grpo" and cfg["base"] == "../quickstart.yaml"
     fields = set(LCGRPOKnobs.__dataclass_fields__)
     assert set(cfg["method"]) - {"name"} <= fields
+
+
+def test_flow_model_choice_and_dit_shapes_are_checked():
+    from types import SimpleNamespace
+
+    from megarl.learner.flow_dit import FlowDiTSpec
+    from megarl.learner.parallel import ParallelLayout
+    from megarl.methods.gradients.flow_megatron import dit_spec
+
+    with pytest.raises(ValueError, match="method.model"):
+        LCGRPOKnobs(model="dit").check()
+    with pytest.raises(ValueError, match="heads=3"):
+        FlowDiTSpec(hidden=24, heads=3).check(tp=2)
+    with pytest.raises(ValueError, match="needs tp=1"):
+        FlowDiTSpec(experts=4).check(tp=2, ep=2)
+    with pytest.raises(ValueError, match="experts=3 must be divisible by ep=2"):
+        FlowDiTSpec(experts=3).check(ep=2)
+
+    def groups(**lay):
+        return SimpleNamespace(layout=ParallelLayout(**lay))
+
+    k = LCGRPOKnobs(model="megatron", hidden=16, heads=2)  # experts: -1 follows the layout's ep
+    assert dit_spec(k, groups()).experts == 0 and dit_spec(k, groups(ep=2)).experts == 4
+    assert dit_spec(LCGRPOKnobs(model="megatron", experts=6), groups(ep=2)).experts == 6
+    with pytest.raises(ValueError, match="method \\(flow model\\): experts=3"):
+        dit_spec(LCGRPOKnobs(model="megatron", experts=3), groups(ep=2))
