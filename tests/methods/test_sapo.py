@@ -209,7 +209,7 @@ def test_ppo_on_sapo_advantages_matches_reference_loss_and_gradient(case, seed, 
 
 def test_bad_knobs_are_named():
     with pytest.raises(ValueError, match="inputs.values: model"):
-        build_knobs(CriticKnobs, {"model": "shared"}, "inputs.values")
+        build_knobs(CriticKnobs, {"model": "separate"}, "inputs.values")
     with pytest.raises(ValueError, match="boundaries, sarsa_coef and router need model: trunk"):
         build_knobs(CriticKnobs, {"router": True}, "inputs.values")
     with pytest.raises(ValueError, match="inputs.values: context: true needs model: critic"):
