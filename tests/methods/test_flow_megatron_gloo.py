@@ -2,13 +2,14 @@
 and FlowCTS's loss and gradient, each data-parallel replica computing its share through the
 methods' own ``share_loss`` and megatron DDP reducing the gradients, equal reference/flow.py's
 per-sample loops through its plain-PyTorch DiT on the same (gathered) weights: TP=1 (DP=2), TP=2,
-and the Mixture-of-Experts DiT with EP=2 (DP=2, alltoall dispatch). And a Megatron flow hook's
-sharded checkpoint resumes it exactly (MoE, EP=2)."""
+and the Mixture-of-Experts DiT with EP=2 (DP=2, alltoall dispatch). And both methods' Megatron
+hooks resume exactly from their sharded checkpoints (MoE, EP=2)."""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,36 +158,51 @@ def test_loss_and_gradient_equal_the_reference_on_the_same_weights(gloo2, layout
     check()
 
 
-def resume_case_entry(rank: int, group, payload: str) -> tuple:
-    """GlooPool entry: a Megatron LC-GRPO hook's step 2, uninterrupted and resumed from a sharded save."""
+def _resumed_equal(make, folder: Path) -> tuple:
+    """A hook's step 2, uninterrupted and resumed (into a hook with other weights) from its sharded
+    save after step 1; the resumed hook's update count."""
     import torch.distributed as dist
 
-    from megarl.learner.parallel import ParallelLayout, initialize_parallel
-    from megarl.methods.gradients.lc_grpo import LCGRPOKnobs, ShardedLCGRPOHook
-
-    torch.set_num_threads(1)
-
-    class Ctx:
-        groups = initialize_parallel(ParallelLayout(ep=2))
-
-    k = LCGRPOKnobs(
-        model="megatron", hidden=16, heads=2, pretrain_steps=2, steps=3, groups=2, group_size=2, updates=1
-    )
-    hook = ShardedLCGRPOHook(k, ctx=Ctx)
-    assert hook.flow.spec.experts == 4  # experts: -1 follows the layout's ep
+    hook = make(True)
     hook.after_step(1, {})
-    folder = Path(payload) / "hook_0"
     hook.save_sharded(folder)
     state = hook.state_dict()
-    resumed = ShardedLCGRPOHook(LCGRPOKnobs(**{**k.__dict__, "pretrain_steps": 0}), ctx=Ctx)  # other weights
+    resumed = make(False)
     dist.barrier()
     resumed.load_sharded(folder)
     resumed.load_state_dict(state)
     return hook.after_step(2, {}), resumed.after_step(2, {}), resumed.updates
 
 
-def test_sharded_checkpoint_resumes_exactly(gloo2):
+def resume_case_entry(rank: int, group, payload: str) -> list:
+    """GlooPool entry: Megatron LC-GRPO and FlowCTS hooks (MoE DiTs, EP=2) resumed from their
+    sharded saves redo step 2 as the uninterrupted hooks."""
+    from megarl.learner.parallel import ParallelLayout, initialize_parallel
+    from megarl.methods.gradients.flowcts import FlowCTSKnobs, ShardedFlowCTSHook
+    from megarl.methods.gradients.lc_grpo import LCGRPOKnobs, ShardedLCGRPOHook
+
+    torch.set_num_threads(1)
+    ctx = SimpleNamespace(groups=initialize_parallel(ParallelLayout(ep=2)))
+    small = {"model": "megatron", "hidden": 16, "heads": 2, "steps": 3, "updates": 1}
+
+    def lc(first: bool):  # the resumed hook is built with other (unpretrained) weights
+        hook = ShardedLCGRPOHook(
+            LCGRPOKnobs(**small, pretrain_steps=2 if first else 0, groups=2, group_size=2), ctx=ctx
+        )
+        assert hook.flow.spec.experts == 4  # experts: -1 follows the layout's ep
+        return hook
+
+    def cts(first: bool):
+        n = 2 if first else 0
+        k = FlowCTSKnobs(**small, pretrain_steps=n, reference_pretrain_steps=n, batch=4, supervision=2)
+        return ShardedFlowCTSHook(k, ctx=ctx)
+
+    return [_resumed_equal(lc, Path(payload) / "lc"), _resumed_equal(cts, Path(payload) / "cts")]
+
+
+def test_sharded_checkpoints_resume_exactly(gloo2):
     with tempfile.TemporaryDirectory() as d:
-        for straight, resumed, updates in gloo2.run(f"{__name__}:resume_case_entry", d):
-            assert straight == resumed and updates == 2, (straight, resumed)
-            assert straight["lc_grpo/update_norm"] > 0
+        for rank_result in gloo2.run(f"{__name__}:resume_case_entry", d):
+            for straight, resumed, updates in rank_result:
+                assert straight == resumed and updates == 2, (straight, resumed)
+                assert next(v for k, v in straight.items() if k.endswith("update_norm")) > 0
