@@ -3,11 +3,14 @@
 One forward + backward of ``loss = Σ_t a_t·logp_t + b_t·H_t`` from final hidden states
 ``hidden [T, H]`` and the output weight ``weight [V, H]`` (fp32, CPU, TP=1), gradients to both:
 
-- naive: ``logits = hidden @ weight.T``, ``log_softmax``, gather, ``-Σ p log p``, plain autograd;
-- today: the learner's unfused path: the output layer's ``[T, V]`` logits, then the chunked
-  vocab-parallel op (megarl.ops.vocab_parallel.vocab_parallel_logprobs_entropy);
-- fused: megarl.ops.fused_output.fused_logprobs_entropy (logits only per chunk, recomputed in
-  backward).
+- naive: ``logits = hidden @ weight.T``, aligned, ``log_softmax``, gather, ``-Σ p log p``, plain
+  autograd;
+- today: the learner's unfused path: the output layer's ``[T, V]`` logits, ``align_logits`` (the
+  shift to the batch's alignment), then the chunked vocab-parallel op
+  (megarl.ops.vocab_parallel.vocab_parallel_logprobs_entropy);
+- fused: the learner's fused path: the hidden states aligned, then
+  megarl.ops.fused_output.fused_logprobs_entropy (logits only per chunk, recomputed in backward).
+The T tokens are packed sequences of 512 tokens.
 
 Each variant runs in a fresh process (``--repeats N``: N alternated runs each, reporting the
 fastest time and the largest memory, against the noise of a shared machine).
@@ -34,8 +37,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GIB = 2**30
+SEQ_LEN = 512  # the T tokens are packed sequences of this length (alignment shifts inside each)
 # [T, V] fp32 tensors alive at the peak (estimate, for skipping what cannot fit)
-TV_COPIES = {"naive": 4.0, "today": 2.2, "fused": 0.0}
+TV_COPIES = {"naive": 5.0, "today": 3.2, "fused": 0.0}
 
 
 def _rss() -> int:
@@ -76,27 +80,30 @@ class _PeakRss:
 def _variant(name: str, T: int, H: int, V: int, chunk: int | None, threads: int, q) -> None:
     import torch
 
+    from megarl.learner.forward import align_logits
     from megarl.ops.fused_output import fused_logprobs_entropy
     from megarl.ops.vocab_parallel import vocab_parallel_logprobs_entropy
 
     if threads:
         torch.set_num_threads(threads)
 
-    def step(hidden, weight, targets, a, b):
+    def step(hidden, weight, targets, cu):
         if name == "naive":
-            logp = torch.log_softmax(hidden @ weight.T, -1)
+            logp = torch.log_softmax(align_logits(hidden @ weight.T, cu), -1)
             lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             ent = -(logp.exp() * logp).sum(-1)
         elif name == "today":
-            lp, ent = vocab_parallel_logprobs_entropy(hidden @ weight.T, targets, None, chunk)
+            lp, ent = vocab_parallel_logprobs_entropy(
+                align_logits(hidden @ weight.T, cu), targets, None, chunk
+            )
         else:
-            lp, ent = fused_logprobs_entropy(hidden, weight, targets, None, chunk)
+            lp, ent = fused_logprobs_entropy(align_logits(hidden, cu), weight, targets, None, chunk)
         return lp, ent
 
     # warm-up on a tiny problem: lazy library state (BLAS buffers, autograd threads) is not "extra"
     w = torch.randn(64, H, requires_grad=True)
     x = torch.randn(16, H, requires_grad=True)
-    lp, ent = step(x, w, torch.randint(0, 64, (16,)), torch.ones(16), torch.ones(16))
+    lp, ent = step(x, w, torch.randint(0, 64, (16,)), torch.tensor([0, 16]))
     (lp + ent).sum().backward()
     del w, x, lp, ent
     g = torch.Generator().manual_seed(0)
@@ -104,10 +111,11 @@ def _variant(name: str, T: int, H: int, V: int, chunk: int | None, threads: int,
     weight = (torch.randn(V, H, generator=g) * H**-0.5).requires_grad_()
     targets = torch.randint(0, V, (T,), generator=g)
     a, b = torch.randn(T, generator=g), torch.randn(T, generator=g) * 0.1
+    cu = torch.arange(0, T + 1, SEQ_LEN) if T % SEQ_LEN == 0 else torch.tensor([0, T])
     base = _rss()
     with _PeakRss() as rss:
         t0 = time.perf_counter()
-        lp, ent = step(hidden, weight, targets, a, b)
+        lp, ent = step(hidden, weight, targets, cu)
         t_fwd = time.perf_counter() - t0
         (a * lp + b * ent).sum().backward()
         elapsed = time.perf_counter() - t0
@@ -122,12 +130,15 @@ def _variant(name: str, T: int, H: int, V: int, chunk: int | None, threads: int,
     )
 
 
-def run(name: str, T: int, H: int, V: int, chunk: int | None, threads: int) -> dict:
+def run(name: str, T: int, H: int, V: int, chunk: int | None, threads: int, margin_gib: float) -> dict:
     """One variant in a fresh process, or ``{"skipped": why}`` when it cannot fit now."""
     need = (TV_COPIES[name] * T * V + 2 * (T * H + V * H)) * 4 + GIB
-    avail = _available()
+    avail = _available() - margin_gib * GIB  # leave room for the other processes on the machine
     if need > avail:
-        return {"skipped": f"needs ~{need / GIB:.1f} GiB, {avail / GIB:.1f} GiB available"}
+        return {
+            "skipped": f"needs ~{need / GIB:.1f} GiB, {avail / GIB:.1f} GiB available "
+            f"(margin {margin_gib} GiB)"
+        }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_variant, args=(name, T, H, V, chunk, threads, q))
@@ -150,6 +161,9 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=1, help="runs per variant, alternated (min time, max memory)"
     )
+    ap.add_argument(
+        "--margin-gib", type=float, default=3.0, help="memory left to others when deciding to skip"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads per variant (0: torch's default)")
     args = ap.parse_args()
     tokens = [int(t) for t in (args.tokens or ("1024,4096" if args.quick else "8192,32768")).split(",")]
@@ -164,7 +178,7 @@ def main() -> None:
         res: dict[str, dict] = {}
         for _ in range(args.repeats):  # alternate the variants; keep the fastest time, the largest memory
             for n in names:
-                r = run(n, T, H, V, args.chunk, args.threads)
+                r = run(n, T, H, V, args.chunk, args.threads, args.margin_gib)
                 prev = res.get(n)
                 if prev is None or "skipped" in r:
                     res[n] = r

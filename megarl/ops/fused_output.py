@@ -97,10 +97,9 @@ class _FusedLogprobEntropy(torch.autograd.Function):
             z = _chunk_logits(hidden, weight, s, e, acc)
             p = torch.sub(z, lse[s:e].unsqueeze(-1)).exp_()  # two [c, V/tp] temporaries at most
             # dlogp/dz_j = 1[j = target] - p_j;  dH/dz_j = -p_j (z_j - Σ_v p_v z_v)
-            if g_ent is not None:
-                z.sub_(spz[s:e].unsqueeze(-1)).mul_(-g_ent[s:e].unsqueeze(-1))
-                z.sub_(g_logp[s:e].unsqueeze(-1))
-                g = p.mul_(z)
+            if g_ent is not None:  # p·(-g_ent·z + g_ent·Σpz - g_logp), one pass to form the factor
+                ge = g_ent[s:e].unsqueeze(-1)
+                g = p.mul_(z.mul_(-ge).add_(ge * spz[s:e].unsqueeze(-1) - g_logp[s:e].unsqueeze(-1)))
             else:
                 g = p.mul_(-g_logp[s:e].unsqueeze(-1))
             del z
