@@ -151,15 +151,15 @@ class FlowDiT(nn.Module):
         self.to(device=groups.device, dtype=params_dtype)  # the norms are built in float32
 
     def forward(self, x: torch.Tensor, t: torch.Tensor | float) -> torch.Tensor:
-        """[B, dim] velocities."""
-        s = self.spec
-        dtype = self.head.weight.dtype
-        x = x.to(dtype)
-        t = torch.as_tensor(t, dtype=dtype, device=x.device).expand(x.shape[0])
+        """[B, dim] velocities, on ``x``'s device (computed on the model's)."""
+        s, home = self.spec, x.device
+        dtype, device = self.head.weight.dtype, self.head.weight.device
+        x = x.to(device=device, dtype=dtype)
+        t = torch.as_tensor(t, dtype=dtype).to(device).expand(x.shape[0])
         temb = self.time_out(torch.nn.functional.silu(self.time_in(time_features(t, s.freqs))))
         h = self.patch_in(x.reshape(-1, s.tokens, s.patch)) + self.pos[None] + temb[:, None]
         h = self.block(h.transpose(0, 1).contiguous(), attention_mask=None)  # [tokens, B, hidden]
-        return self.head(h).transpose(0, 1).reshape(x.shape[0], s.dim)
+        return self.head(h).transpose(0, 1).reshape(x.shape[0], s.dim).to(home)
 
 
 def _gather(t: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
