@@ -190,3 +190,64 @@ def uopsd_loss(
     w = 4 * agree_share * (1 - agree_share) if frontier else torch.ones_like(agree_share)
     sd = sampled_reverse_kl(logp, old_logp, teacher_logp) * w[:, None].to(logp.dtype)
     return route_mean(sd, mask, target, aggregation)
+
+
+def token_divergence(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, direction: str = "forward", top_k: int = 0
+) -> torch.Tensor:
+    """Per-token KL between the student's and the (detached) teacher's next-token distributions:
+    forward KL(teacher ‖ student) or reverse KL(student ‖ teacher), over the full vocabulary
+    (``top_k`` 0) or over the teacher's top-K ids with both distributions renormalised there.
+    Reconstructed (the full-vocabulary / top-K forms of the sampled-token estimates).  [..., V] -> [...]"""
+    t = teacher_logits.detach()
+    if top_k:
+        ids = torch.topk(t, top_k, dim=-1).indices
+        lq = torch.log_softmax(torch.log_softmax(t, -1).gather(-1, ids), -1)
+        lp = torch.log_softmax(torch.log_softmax(student_logits, -1).gather(-1, ids), -1)
+    else:
+        lq, lp = torch.log_softmax(t, -1), torch.log_softmax(student_logits, -1)
+    if direction == "forward":
+        return (lq.exp() * (lq - lp)).sum(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def uopsd_vocab_loss(
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    target: torch.Tensor,
+    agree_share: torch.Tensor,
+    frontier: bool = False,
+    aggregation: str = "seq-mean-token-mean",
+    direction: str = "reverse",
+    top_k: int = 0,
+) -> torch.Tensor:
+    """U-OPSD with the sampled-token reverse KL replaced by the KL over the vocabulary (or the
+    teacher's top-K) toward the self-teacher conditioned on y_s; the rest as ``uopsd_loss``."""
+    w = 4 * agree_share * (1 - agree_share) if frontier else torch.ones_like(agree_share)
+    kl = token_divergence(logits, teacher_logits, direction, top_k) * w[:, None].to(logits.dtype)
+    return route_mean(kl, mask, target, aggregation)
+
+
+def sc_grpo_vocab_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    old_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    on: torch.Tensor,
+    direction: str = "reverse",
+    top_k: int = 0,
+    power: float = 1.0,
+    w_max: float = 5.0,
+    scale_by_std: bool = True,
+) -> torch.Tensor:
+    """[B, L] SC-GRPO token advantages with k_t the KL between the whole self-conditioned and
+    original next-token distributions (logits [B, L, V]; ``top_k``: over the self-teacher's top-K,
+    renormalised) instead of the sampled-token estimate; 0 on sequences without a sibling before
+    the weight (they keep w = 1). Reconstructed (the paper's KL, taken over the vocabulary)."""
+    from reference.advantages import grpo
+
+    k = token_divergence(old_logits, teacher_logits, direction, top_k).double() * on[:, None].double()
+    a = grpo(rewards, group_ids, scale_by_std)
+    return a[:, None] * sc_grpo_weights(k, mask, on, power, w_max)

@@ -3,6 +3,8 @@ PPO loss on its advantages equals the reference loss (gradient too) at TP 1/2 wi
 and DP splits; the spec's invariants: per-sequence mean weight 1 before clipping, teacher = student
 gives GRPO exactly, saturated groups give zero gradient, no gradient through the weight."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,11 +14,12 @@ import reference.self_distillation as ref
 from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.advantages.estimators import grpo, per_token
 from megarl.batch import from_sequences, unpack
-from megarl.methods.distillation.sc_grpo import sc_weights, token_kl
+from megarl.methods.distillation.sc_grpo import KL, KLKnobs, SelfTeacherKL, sc_weights, token_kl
 from megarl.objectives.rl_objective import ObjectiveConfig
 from megarl.testing.equivalence import megarl_loss_and_grad, reference_loss_and_grad
 from tests.methods.helpers import load_example
-from tests.property.strategies import rl_cases
+from tests.methods.test_self_teacher import TinyCausalLM, V
+from tests.property.strategies import build_batch, rl_cases
 
 KNOBS = st.fixed_dictionaries(
     {
@@ -118,3 +121,44 @@ def test_example_and_missing_inputs_are_named():
     case_b.old_logprobs = case_b.self_teacher_logprobs = torch.zeros(2, dtype=torch.float64)
     with pytest.raises(ValueError, match="advantage.direction='sideways'"):
         ADVANTAGE_ESTIMATORS.get("sc_grpo")(case_b, direction="sideways")
+
+
+@pytest.mark.parametrize(
+    "direction,top_k,micro,seed",
+    [("reverse", 0, 1, 0), ("forward", 0, 2, 1), ("reverse", 1, 2, 2), ("forward", 4, 1, 3)],
+)
+def test_vocabulary_kl_input_and_advantages_match_reference(direction, top_k, micro, seed):
+    """self_teacher_kl: per token of the sequences with a context, the KL (full vocabulary or the
+    self-teacher's top-K) between the policy's forward of prompt + context + response and its plain
+    forward, equal to reference token_divergence of the two; sc_grpo_vocab's advantages equal
+    reference sc_grpo_vocab_advantages; 0 and w = 1 on sequences without a context."""
+    g = torch.Generator().manual_seed(seed)
+    b = build_batch([3, 2, 4, 2], [4, 5, 2, 3], [0, 0, 1, 1], [False] * 25, V, g, torch.float64)
+    b.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    rows = torch.full((4, 3), math.nan, dtype=torch.float64)
+    rows[0, :2] = torch.randint(0, V, (2,), generator=g).double()
+    rows[3, :3] = torch.randint(0, V, (3,), generator=g).double()
+    b.extras["self_teacher_context"] = rows
+    model = TinyCausalLM(seed % 7)
+    SelfTeacherKL(model, KLKnobs(top_k)).fill(b, micro)
+    cu = b.cu_seqlens.tolist()
+    student = model.compute_logits(b)
+    teacher = student.clone()
+    for i, k in ((0, 2), (3, 3)):
+        p, seq = int(b.prompt_lens[i]), b.tokens[cu[i] : cu[i + 1]].tolist()
+        full = model.logits(seq[:p] + [int(x) for x in rows[i, :k]] + seq[p:])
+        teacher[cu[i] + p : cu[i + 1]] = full[p + k :]
+    on = torch.tensor([True, False, False, True])
+    on_tok = on.double().repeat_interleave(b.seq_lens)
+    for col, d in enumerate(("forward", "reverse")):
+        want = ref.token_divergence(student, teacher, d, top_k) * on_tok
+        torch.testing.assert_close(b.token_extras[KL][:, col], want.double(), rtol=0, atol=1e-12)
+    p_ = unpack(b)
+    pad_s = torch.zeros(*p_.attention_mask.shape, V, dtype=torch.float64)
+    pad_t = pad_s.clone()
+    pad_s[p_.attention_mask], pad_t[p_.attention_mask] = student, teacher
+    adv = ADVANTAGE_ESTIMATORS.get("sc_grpo_vocab")(b, direction=direction)
+    want_adv = ref.sc_grpo_vocab_advantages(
+        b.rewards, b.group_ids, pad_s, pad_t, p_.loss_mask, on, direction, top_k
+    )[p_.attention_mask]
+    torch.testing.assert_close(adv.double(), want_adv.double(), rtol=1e-9, atol=1e-12)

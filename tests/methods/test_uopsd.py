@@ -91,6 +91,79 @@ def test_matches_reference(case, tp, dp, mb, data):
     )
 
 
+VOCAB = st.builds(
+    lambda agg, frontier, direction, top_k: ObjectiveConfig(
+        policy_loss="uopsd",
+        aggregation=agg,
+        policy_loss_args={"aggregation": agg, "frontier": frontier, "sd_coef": 0.0},
+        regularisers=[
+            {
+                "name": "uopsd_kl",
+                "coef": 1.0,
+                "aggregation": agg,
+                "frontier": frontier,
+                "direction": direction,
+                "top_k": top_k,
+            }
+        ],
+    ),
+    st.sampled_from(AGGS),
+    st.booleans(),
+    st.sampled_from(["reverse", "forward"]),
+    st.sampled_from([0, 1, 3]),
+)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    case=rl_cases(torch.float64, cfgs=VOCAB, vocab_sizes=(4, 8, 12)),
+    layout=st.sampled_from([(1, 1, 1), (2, 2, 2), (2, 1, 3), (1, 2, 1)]),
+    data=st.data(),
+)
+def test_vocabulary_and_topk_distillation_match_reference(case, layout, data):
+    """uopsd_kl (full vocabulary, top-1, top-3; both directions) equals reference uopsd_vocab_loss
+    in loss and logits gradient at TP 1/2, DP 1/2, 1-3 micro-batches."""
+    tp, dp, mb = layout
+    target, share = _set_up(case, data, dp)
+    reg = case.cfg.regularisers[0]
+
+    def fn(full, pad):
+        _, _, _, mask = padded_inputs(full, pad)
+        teacher = torch.zeros_like(full, requires_grad=False)
+        teacher[pad.attention_mask] = case.teacher_logits
+        return ref.uopsd_vocab_loss(
+            full,
+            teacher,
+            mask,
+            target,
+            share,
+            reg["frontier"],
+            reg["aggregation"],
+            reg["direction"],
+            reg["top_k"],
+        )
+
+    mb = min(mb, -(-case.batch.num_seqs // dp))
+    assert_equivalent(
+        megarl_method_loss_and_grad(case, tp, dp, mb), reference_method_loss_and_grad(case, fn), case.logits
+    )
+
+
+def test_topk_with_every_id_is_the_full_vocabulary_kl():
+    """token_divergence: the top-V restriction equals the full-vocabulary KL (both directions), at
+    TP 1 here and TP 2 in the equivalence test above."""
+    from megarl.methods.distillation.vocab_divergence import token_divergence
+
+    g = torch.Generator().manual_seed(0)
+    s, t = (torch.randn(6, 7, generator=g, dtype=torch.float64) * 2 for _ in range(2))
+    for d in ("forward", "reverse"):
+        full = token_divergence(s, t, d, 0)
+        assert torch.allclose(token_divergence(s, t, d, 7), full, atol=1e-12)
+        assert torch.allclose(full, ref.token_divergence(s, t, d, 0), atol=1e-12)
+        assert bool((token_divergence(s, t, d, 3) >= -1e-12).all())
+    assert float(token_divergence(s, s, "reverse", 3).abs().max()) < 1e-12
+
+
 TOK = CharTokenizer("0123456789+=RC ")
 
 

@@ -24,9 +24,11 @@ from megarl.methods.distillation.routes import (
     route_aggregation_check,
     route_scale,
 )
-from megarl.methods.distillation.self_teacher import CONTEXT, CORRECT, LOGPROBS, context_rows
+from megarl.methods.distillation.self_teacher import CONTEXT, CORRECT, LOGITS, LOGPROBS, context_rows
+from megarl.methods.distillation.vocab_divergence import token_divergence
 from megarl.objectives.distillation import sampled_reverse_kl_term
 from megarl.objectives.policy_losses import POLICY_LOSSES
+from megarl.objectives.regularisers import REGULARISERS
 from megarl.ops.segments import group_mean
 from megarl.plugin.spec import MethodSpec
 from megarl.registry import PartInfo
@@ -50,7 +52,14 @@ def uopsd_rule(batch) -> RouteDecision:
 SHARE = "uopsd_agree_share"  # extras: [B] |C| / G of the sequence's group
 
 
-def _prepare(batch, dp_group, state, aggregation: str = "seq-mean-token-mean", frontier: bool = False):
+def _prepare(
+    batch,
+    dp_group,
+    state,
+    aggregation: str = "seq-mean-token-mean",
+    frontier: bool = False,
+    sd_coef: float = 1.0,
+):
     """Route counts over DP, and each group's majority share on the whole group (a micro-batch may
     hold part of a group; a DP rank holds whole groups)."""
     if CORRECT not in batch.extras:
@@ -70,11 +79,13 @@ def uopsd_loss(
     dual_clip=None,
     aggregation: str = "seq-mean-token-mean",
     frontier: bool = False,
+    sd_coef: float = 1.0,
     batch=None,
     ctx=None,
 ):
-    """Per-token loss: route scale x frontier weight x sampled reverse KL toward the self-teacher,
-    on the targets only (``adv`` is not read: no label enters the loss)."""
+    """Per-token loss: route scale x frontier weight x ``sd_coef`` x sampled reverse KL toward the
+    self-teacher, on the targets only (``adv`` is not read: no label enters the loss); ``sd_coef:
+    0`` leaves the distillation to the ``uopsd_kl`` regulariser (full vocabulary or top-K)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"policy_loss_args.aggregation={aggregation!r}; known: {', '.join(AGGREGATIONS)}")
     teacher = getattr(batch, LOGPROBS)
@@ -84,13 +95,49 @@ def uopsd_loss(
     w = 4 * share * (1 - share) if frontier else torch.ones_like(share)
     w_tok = w.to(logp.dtype).repeat_interleave(batch.seq_lens)
     sd = sampled_reverse_kl_term(logp, old_logp, teacher.to(logp.dtype))
-    return route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * w_tok * sd
+    return route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * w_tok * sd_coef * sd
+
+
+def uopsd_kl(
+    logits,
+    logp,
+    old_logp,
+    batch,
+    ctx,
+    aggregation: str = "seq-mean-token-mean",
+    frontier: bool = False,
+    direction: str = "reverse",
+    top_k: int = 0,
+):
+    """U-OPSD's distillation over the vocabulary: route scale x frontier weight x KL between the
+    policy and the self-teacher (``LossContext.teacher_logits``, the ``self_teacher_logits``
+    input; ``direction``: reverse = KL(policy ‖ teacher), U-OPSD's own; ``top_k`` > 0: over the
+    teacher's top-K ids, renormalised) on the targets only. Use with ``policy_loss_args.sd_coef: 0``."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(
+            f"regularisers: uopsd_kl aggregation={aggregation!r}; known: {', '.join(AGGREGATIONS)}"
+        )
+    if ctx.teacher_logits is None:
+        raise ValueError(f"regulariser uopsd_kl needs the self-teacher's logits (the {LOGITS} input)")
+    if SHARE not in batch.extras:
+        raise ValueError(f"regulariser uopsd_kl needs its prepare step (extras['{SHARE}'])")
+    share = batch.extras[SHARE]
+    w = 4 * share * (1 - share) if frontier else torch.ones_like(share)
+    w_tok = w.to(logp.dtype).repeat_interleave(batch.seq_lens)
+    kl = token_divergence(logits, ctx.teacher_logits, direction, top_k, ctx.tp_group, ctx.chunk_tokens)
+    return route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * w_tok * kl.to(logp.dtype)
 
 
 POLICY_LOSSES.add(
     "uopsd",
     uopsd_loss,
     PartInfo(batch_inputs=("routes", LOGPROBS), prepare=_prepare, needs_context=True),
+)
+
+REGULARISERS.add(
+    "uopsd_kl",
+    uopsd_kl,
+    PartInfo(batch_inputs=("routes", LOGITS), prepare=lambda b, g, st, **kw: _prepare(b, g, st)),
 )
 
 SPEC = MethodSpec(
