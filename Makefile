@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-python setup-sglang test test-fast quickstart bench lint
+.PHONY: setup setup-python setup-sglang setup-trl test test-fast quickstart bench lint
 
 setup:
 	bash tests/setup/all.sh
@@ -21,6 +21,10 @@ setup-python:
 # SGLang 0.5.23 on CPU in .venv-sglang (opt-in: ~8 minutes, 3.2 GB); the live SGLang tests need it.
 setup-sglang:
 	bash tests/setup/40-sglang.sh
+
+# TRL 1.16.0 in .venv-trl for the peer benchmark (opt-in; needs .venv: benchmarks/peers/, docs/benchmarks.md).
+setup-trl:
+	bash tests/setup/50-trl.sh
 
 lint: setup-python
 	@rc=0; \
