@@ -3,17 +3,20 @@
 The default engine when no server is configured (one machine, tests, the CPU quickstart). It runs
 its own decode loop over the model's KV cache, so it returns exactly what the servers return:
 generated token ids (a matched stop token included), the raw model logprob of each sampled token
-(before temperature / top-p), and a finish reason. Requests are served one at a time in a worker
-thread; the ``n`` samples of a request decode together as one batch (same prompt, no padding).
+(before temperature / top-p), and a finish reason. All in-flight requests decode together in one
+padded batch (continuous batching, megarl/rollout/batching.py): a request joins between decode
+steps and leaves when its samples are done; each request samples from its own seeded generator.
 
 A ``Decoder`` installed with ``install_decoder`` replaces that decode loop (e.g. speculative
-decoding): it gets the validated request, the request's seeded generator and the stop ids, and
-returns the samples in the same form (every logprob the model's own, before temperature / top-p).
+decoding) and serves requests one at a time: it gets the validated request, the request's seeded
+generator and the stop ids, and returns the samples in the same form (every logprob the model's
+own, before temperature / top-p).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import threading
@@ -23,23 +26,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from megarl.rollout.batching import BatchScheduler, Job
 from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.kv_batch import output_cache
+from megarl.rollout.sampling import filter_logits as _filter_logits
 from megarl.rollout.types import EngineDeadError, GenerateRequest, GenerateResult, Sample
 from megarl.rollout.weights import check_weights_dir
 
-
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits [B, V] outside top-k / the top-p nucleus with -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix reaching top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    return logits
+__all__ = ["Decoder", "EmbeddedEngine", "_filter_logits", "fuse_expert_tensors", "teacher_forced_logprobs"]
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -111,6 +105,7 @@ class EmbeddedEngine(RolloutEngine):
       model: a ``transformers`` causal LM (eval mode is set here).
       eos_token_ids: ids that end a sample unless ``ignore_eos`` (default: the model config's).
       tokenizer: needed only for stop strings (``decode`` of the generated ids).
+      max_batch_rows: samples decoding in one batch at most (requests beyond wait for rows).
     """
 
     def __init__(
@@ -123,6 +118,7 @@ class EmbeddedEngine(RolloutEngine):
         max_model_len: int | None = None,
         max_concurrency: int = 64,
         weight_version: str = "0",
+        max_batch_rows: int = 1024,
     ):
         cfg = model.config
         super().__init__(
@@ -138,11 +134,15 @@ class EmbeddedEngine(RolloutEngine):
             eos = getattr(cfg, "eos_token_id", None)
             eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos_token_ids = list(eos_token_ids)
-        self._lock = threading.Lock()  # one request at a time on the model; weight loads wait for it
+        # One user of the model at a time: a batch step, a scoring call, a weight load. Weight loads
+        # and decoder swaps raise ``_draining``: no request joins until the batch is empty.
+        self._lock = threading.Condition()
+        self._draining = 0
         self._abort_flags: dict[str, threading.Event] = {}
         self.dead_reason: str | None = None
         self._cache_arg: str | None = None
-        self.decoder: Decoder | None = None  # None: the plain decode loop below
+        self.decoder: Decoder | None = None  # None: the batched decode loop
+        self._batcher = BatchScheduler(self, max_batch_rows)
 
     @classmethod
     def from_pretrained(
@@ -163,8 +163,10 @@ class EmbeddedEngine(RolloutEngine):
         if self.dead_reason is not None:
             raise EngineDeadError(f"{self.name}: engine is down ({self.dead_reason})")
         flag = self._abort_flags.setdefault(req.request_id, threading.Event())
+        job = Job(req=req, abort=flag)
         try:
-            samples = await asyncio.to_thread(self._generate_sync, req, flag)
+            self._batcher.submit(job)
+            samples = await asyncio.wrap_future(job.future)
         finally:
             self._abort_flags.pop(req.request_id, None)
         return GenerateResult(
@@ -190,60 +192,14 @@ class EmbeddedEngine(RolloutEngine):
             out.top_ids, out.top_logprobs = [[], *i.tolist()], [[], *v.tolist()]
         return out
 
-    @torch.no_grad()
-    def _generate_sync(self, req: GenerateRequest, abort: threading.Event) -> list[Sample]:
-        sp, n = req.sampling, req.n
-        with self._lock:
-            version = self.weight_version
-            gen = torch.Generator()
-            gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,))))
-            stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
-            if self.decoder is not None:
-                return self.decoder.decode(self, req, gen, stop_ids, abort)
-            ids = torch.tensor([list(req.prompt_ids)] * n, dtype=torch.long)  # [n, P]
-            out = self.model(input_ids=ids, use_cache=True)
-            tokens: list[list[int]] = [[] for _ in range(n)]
-            logprobs: list[list[float]] = [[] for _ in range(n)]
-            finish: list[str | None] = [None] * n
-            stop_reason: list[Any] = [None] * n
-            for _step in range(sp.max_new_tokens):
-                if self.dead_reason is not None:
-                    raise EngineDeadError(
-                        f"{self.name}: engine shut down during generation ({self.dead_reason})"
-                    )
-                if abort.is_set():
-                    break
-                logits = out.logits[:, -1, :].float()  # [n, V]
-                logp = torch.log_softmax(logits, dim=-1)
-                if sp.temperature == 0:
-                    nxt = logits.argmax(-1)
-                else:
-                    probs = torch.softmax(_filter_logits(logits / sp.temperature, sp.top_k, sp.top_p), dim=-1)
-                    nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-                lp = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
-                for i in range(n):
-                    if finish[i] is not None:
-                        continue
-                    t = int(nxt[i])
-                    tokens[i].append(t)
-                    logprobs[i].append(float(lp[i]))
-                    hit = self.stop_hit(tokens[i], stop_ids, sp)
-                    if hit is not None:
-                        finish[i], stop_reason[i] = "stop", hit[0]
-                if all(f is not None for f in finish):
-                    break
-                out = self.model(input_ids=nxt.unsqueeze(-1), use_cache=True, **self._cache_kw(out))
-            aborted = abort.is_set()
-            return [
-                Sample(
-                    token_ids=tokens[i],
-                    logprobs=logprobs[i],
-                    finish_reason=finish[i] or ("abort" if aborted else "length"),
-                    weight_version=version,
-                    stop_reason=stop_reason[i],
-                )
-                for i in range(n)
-            ]
+    def decode_alone(
+        self, req: GenerateRequest, gen: torch.Generator, abort: threading.Event
+    ) -> list[Sample]:
+        """Serve ``req`` with the installed decoder (called by the batch loop with the model locked)."""
+        sp = req.sampling
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+        assert self.decoder is not None
+        return self.decoder.decode(self, req, gen, stop_ids, abort)
 
     def stop_hit(self, tokens: list[int], stop_ids: set[int], sp: Any) -> tuple[Any] | None:
         """``(stop_reason,)`` when the sample ``tokens`` ends with a stop (its last token is a stop
@@ -260,23 +216,37 @@ class EmbeddedEngine(RolloutEngine):
         return None
 
     def install_decoder(self, decoder: Decoder | None) -> Decoder | None:
-        """Replace the decode loop with ``decoder`` (None: the plain loop) once the running request
-        is done; returns the one it replaces."""
-        with self._lock:
+        """Replace the decode loop with ``decoder`` (None: the batched loop) once the running
+        requests are done; returns the one it replaces."""
+        with self._drained():
             old, self.decoder = self.decoder, decoder
         return old
 
-    def _cache_kw(self, out: Any) -> dict:
+    @contextlib.contextmanager
+    def _drained(self):
+        """Hold the model with no request decoding: admissions stop, the batch finishes, then the
+        body runs; requests that arrived meanwhile start after it."""
+        with self._lock:
+            self._draining += 1
+            try:
+                self._lock.wait_for(lambda: not self._batcher.busy)
+                yield
+            finally:
+                self._draining -= 1
+                self._batcher.kick()
+                self._lock.notify_all()
+
+    def _cache_arg_name(self) -> str:
         # transformers >= 5.2x names the KV cache ``cache``; older releases ``past_key_values``.
         if self._cache_arg is None:
             import inspect
 
             params = inspect.signature(self.model.forward).parameters
             self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        cache = getattr(out, "cache", None)
-        if cache is None:
-            cache = out.past_key_values
-        return {self._cache_arg: cache}
+        return self._cache_arg
+
+    def _cache_kw(self, out: Any) -> dict:
+        return {self._cache_arg_name(): output_cache(out)}
 
     # ----------------------------------------------------------------------------- control
     async def abort(self, request_id: str | None = None) -> int:
@@ -291,7 +261,8 @@ class EmbeddedEngine(RolloutEngine):
         return count
 
     async def update_weights(self, weights_dir: str | os.PathLike, version: str | None = None) -> None:
-        """Load a HF safetensors checkpoint into the model (after the running request finishes)."""
+        """Load a HF safetensors checkpoint into the model (once the decoding requests finish; none
+        joins meanwhile)."""
         from safetensors.torch import load_file
 
         names = set(self.model.state_dict().keys())
@@ -317,7 +288,7 @@ class EmbeddedEngine(RolloutEngine):
         experts fused) into the model; shapes must match."""
 
         def load() -> None:
-            with self._lock:
+            with self._drained():
                 own = self.model.state_dict()
                 fused = fuse_expert_tensors(state, set(own))
                 for k, v in fused.items():
