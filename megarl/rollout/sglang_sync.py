@@ -133,6 +133,11 @@ FUSED = {"q_proj": ("qkv_proj", 3, 0), "k_proj": ("qkv_proj", 3, 1), "v_proj": (
 FUSED |= {"gate_proj": ("gate_up_proj", 2, 0), "up_proj": ("gate_up_proj", 2, 1)}
 
 
+# SGLang's vocabulary-parallel tensors have their rows padded to a multiple of this, with zeros
+VOCAB_PADDING = 64
+VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
+
+
 def engine_name(hf_name: str) -> tuple[str, int, int]:
     """SGLang's parameter name for an HF tensor, with the number of parts fused into it and this
     tensor's place among them (``(hf_name, 1, 0)`` when it is stored as is)."""
@@ -147,8 +152,9 @@ def engine_name(hf_name: str) -> tuple[str, int, int]:
 class EngineDigests:
     """What SGLang's ``/weights_checker`` (action "checksum") should answer for the tensors sent:
     per parameter the first 8 bytes of the SHA-256 of its bytes in the server's dtype, fused
-    parameters over their parts' bytes in order (the CPU engine's hash; its GPU hash differs).
-    Parts of a fused parameter wait here until all have arrived."""
+    parameters over their parts' bytes in order, the embedding and output layer with their rows
+    padded with zeros to a multiple of 64 as SGLang stores them (the CPU engine's hash at TP 1;
+    its GPU hash differs). Parts of a fused parameter wait here until all have arrived."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -164,10 +170,15 @@ class EngineDigests:
 
     def add(self, hf_name: str, t: torch.Tensor) -> None:
         """Account for one tensor as sent."""
-        raw = byte_view(t.detach().to("cpu", self.dtype).contiguous()).numpy().tobytes()
+        host = t.detach().to("cpu", self.dtype).contiguous()
+        raw = byte_view(host).numpy().tobytes()
         name, n, k = engine_name(hf_name)
         if n == 1:
-            self.digests[name] = self._hex([raw])
+            pad = b""
+            if name.endswith(VOCAB_PARALLEL) and host.dim() == 2:
+                rows = -host.shape[0] % VOCAB_PADDING
+                pad = bytes(rows * host.shape[1] * host.element_size())
+            self.digests[name] = self._hex([raw, pad])
             return
         parts = self._parts.setdefault(name, {})
         parts[k] = raw

@@ -64,9 +64,14 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"rollout.engine={r.engine!r} needs rollout.urls (the servers' base URLs) or rollout.launch=true"
         )
-    if r.launch and (r.engine != "vllm" or r.urls):
+    if r.launch and (r.engine not in ("vllm", "sglang") or r.urls):
         raise ConfigError(
-            "rollout.launch=true starts one vLLM server: it needs rollout.engine='vllm' and no rollout.urls"
+            "rollout.launch=true starts one vLLM or SGLang server: it needs rollout.engine='vllm' or "
+            "'sglang' and no rollout.urls"
+        )
+    if r.server_device is not None and not (r.launch and r.engine == "sglang"):
+        raise ConfigError(
+            "rollout.server_device is for a launched SGLang server (rollout.launch=true, engine: sglang)"
         )
     if r.weight_sync == "memory" and r.engine not in ("vllm", "sglang"):
         raise ConfigError(

@@ -73,12 +73,16 @@ class RolloutConfig:
     # megarl's weight receiver, which rollout.launch adds; SGLang: its own weight-update group, gloo
     # on CPU, NCCL on GPU); auto: memory with rollout.launch, else disk
     weight_sync: Literal["auto", "disk", "memory"] = "auto"
-    launch: bool = False  # vllm: start one server on this node (vLLM venv) serving the initial policy
-    server_python: str | None = None  # launch: the vLLM venv's python (default: .venv-vllm)
+    # vllm / sglang: start one server on this node (from the engine's venv) serving the initial policy
+    launch: bool = False
+    server_python: str | None = None  # launch: the server venv's python (default: .venv-vllm / .venv-sglang)
     server_dtype: Literal["float32", "bfloat16"] = "float32"  # launch: the server's dtype
-    server_max_num_seqs: int = 16  # launch: vLLM --max-num-seqs
+    server_max_num_seqs: int = 16  # launch: vLLM --max-num-seqs (SGLang on CPU: KV cache for as many)
     server_startup_timeout_s: float = 600.0  # launch: how long to wait for /health
-    server_args: list = field(default_factory=list)  # launch: extra vLLM command-line arguments
+    server_args: list = field(default_factory=list)  # launch: extra server command-line arguments
+    # launch, sglang: the server's device ("cpu": SGLang's CPU engine, the venv of tests/setup/40-sglang.sh;
+    # None: SGLang's default, CUDA)
+    server_device: Literal["cpu", "cuda"] | None = None
 
 
 @dataclass

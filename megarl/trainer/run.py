@@ -275,10 +275,10 @@ class Run:
                 max_concurrency=r.max_concurrency,
                 weight_version="init",
             )
-        if r.launch:  # one vLLM server on this node, serving the initial policy (stopped at exit)
-            from megarl.trainer.servers import launch_vllm_for_run
+        if r.launch:  # one vLLM or SGLang server on this node serving the initial policy (stopped at exit)
+            from megarl.trainer.servers import launch_server_for_run
 
-            self.server, engine = launch_vllm_for_run(
+            self.server, engine = launch_server_for_run(
                 self.cfg, self.run_dir / INIT_POLICY, self.run_dir, self.hf, log
             )
             return engine

@@ -1,8 +1,7 @@
 """The rollout servers of a run: servers started by someone else at ``rollout.urls``
-(``connect_servers``, with the keys from a key file or the environment), or one vLLM server the
-run starts itself (``rollout.launch: true``) on this node, from the vLLM venv, serving the run's
-initial policy; the trainer then syncs weights into it through HF checkpoint directories
-(``Trainer._sync_weights``).
+(``connect_servers``, with the keys from a key file or the environment), or one vLLM or SGLang
+server the run starts itself (``rollout.launch: true``) on this node, from the engine's venv,
+serving the run's initial policy; the trainer then syncs weights into it (megarl/trainer/weights.py).
 
 A model built in the run with the character tokenizer gets that tokenizer written beside its
 weights as a HF tokenizer (``megarl.data.hf_char_tokenizer``): vLLM's completions route needs one
@@ -40,18 +39,16 @@ def connect_servers(r: Any, log=print, vocab_size: int | None = None) -> Any:
     )
 
 
-def launch_vllm_for_run(
+def launch_server_for_run(
     cfg: Any, model_dir: str | Path, run_dir: str | Path, hf_config: dict, log=print
 ) -> tuple[Any, Any]:
-    """Start the vLLM server of a run; returns ``(server, engine)``.
+    """Start the server of a run (``rollout.engine``: vLLM or SGLang); returns ``(server, engine)``.
 
     ``cfg``: the ``TrainConfig`` (``rollout`` section: ``server_*`` keys); ``model_dir``: the HF
     checkpoint it serves first (the run's initial policy); ``hf_config``: the model's config (its
     ``max_position_embeddings`` bounds the server's context). The server is stopped at exit
     (``atexit`` in the launcher) or by ``server.stop()``.
     """
-    from megarl.rollout.server_process import VLLMServerConfig, default_vllm_python, launch_vllm
-
     r = cfg.rollout
     if r.key_file:
         from megarl.trainer.config import ConfigError
@@ -65,6 +62,47 @@ def launch_vllm_for_run(
         from megarl.data.tokenizer import CharTokenizer
 
         save_hf_char_tokenizer(CharTokenizer(cfg.model.alphabet), model_dir)
+    if r.engine == "sglang":
+        return _launch_sglang_for_run(cfg, model_dir, run_dir, hf_config, log)
+    return _launch_vllm_for_run(cfg, model_dir, run_dir, hf_config, log)
+
+
+def _launch_sglang_for_run(cfg: Any, model_dir, run_dir, hf_config: dict, log) -> tuple[Any, Any]:
+    from megarl.rollout.server_process import SGLangServerConfig, default_sglang_python, launch_sglang
+
+    r = cfg.rollout
+    max_len = int(hf_config.get("max_position_embeddings", 1024))
+    scfg = SGLangServerConfig(
+        model_dir=str(model_dir),
+        python=r.server_python or default_sglang_python(),
+        dtype=r.server_dtype,
+        context_length=max_len,
+        device=r.server_device,
+        # on CPU the KV cache is sized in tokens (SGLang would size it from the host's RAM)
+        max_total_tokens=r.server_max_num_seqs * max_len if r.server_device == "cpu" else None,
+        weight_version="init",
+        startup_timeout_s=r.server_startup_timeout_s,
+        work_dir=str(Path(run_dir) / "sglang-server"),
+        extra_args=list(r.server_args),
+    )
+    t0 = time.monotonic()
+    log(f"megarl train: starting an SGLang server on {model_dir} ({scfg.python})")
+    server = launch_sglang(scfg)
+    log(
+        f"megarl train: SGLang server healthy after {time.monotonic() - t0:.1f}s at {server.url} "
+        f"(log {server.log_path})"
+    )
+    return server, server.client(max_concurrency=r.max_concurrency)
+
+
+def _launch_vllm_for_run(
+    cfg: Any, model_dir: str | Path, run_dir: str | Path, hf_config: dict, log=print
+) -> tuple[Any, Any]:
+    """Start the vLLM server of a run; returns ``(server, engine)`` (see ``launch_server_for_run``,
+    which also names the model's architecture and writes its tokenizer)."""
+    from megarl.rollout.server_process import VLLMServerConfig, default_vllm_python, launch_vllm
+
+    r = cfg.rollout
     max_len = int(hf_config.get("max_position_embeddings", 1024))
     scfg = VLLMServerConfig(
         model_dir=str(model_dir),

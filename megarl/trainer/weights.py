@@ -39,11 +39,11 @@ def export_dir(run: Any, version: int | str, learner: Any = None) -> Path:
 
 
 def weight_sync_mode(rollout: Any) -> str:
-    """``rollout.weight_sync`` resolved: "auto" is "memory" for a vLLM server the run launches
-    itself (it has the weight receiver), else "disk"."""
+    """``rollout.weight_sync`` resolved: "auto" is "memory" for a server the run launches itself
+    (a vLLM one has the weight receiver; SGLang receives weights itself), else "disk"."""
     if rollout.weight_sync != "auto":
         return rollout.weight_sync
-    return "memory" if rollout.engine == "vllm" and rollout.launch else "disk"
+    return "memory" if rollout.engine in ("vllm", "sglang") and rollout.launch else "disk"
 
 
 def push_weights(run: Any, version: int | str, learner: Any = None) -> None:

@@ -63,3 +63,20 @@ def test_bucket_meta_and_backend():
     b = {"a": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(4)}
     assert bucket_meta(b) == {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [4]]}
     assert backend_for_device("cpu") == "gloo" and backend_for_device("cuda") == "nccl"
+
+
+def test_vocabulary_rows_are_padded_with_zeros_as_sglang_stores_them():
+    """SGLang pads the embedding's and output layer's rows to a multiple of 64 with zeros: a
+    vocabulary of 24 (the quickstart's) is hashed as 64 rows (seen failing live: the trainer's
+    unpadded digests differed for exactly these two parameters)."""
+    emb = torch.randn(24, 4)
+    d = EngineDigests(torch.float32)
+    d.add("model.embed_tokens.weight", emb)
+    d.add("lm_head.weight", emb[:, :3])
+    d.add("model.norm.weight", torch.ones(24))
+    assert d.digests["model.embed_tokens.weight"] == sha64(torch.cat([emb, torch.zeros(40, 4)]))
+    assert d.digests["lm_head.weight"] == sha64(torch.cat([emb[:, :3], torch.zeros(40, 3)]))
+    assert d.digests["model.norm.weight"] == sha64(torch.ones(24))
+    full = torch.randn(128, 4)
+    d.add("model.embed_tokens.weight", full)
+    assert d.digests["model.embed_tokens.weight"] == sha64(full)

@@ -1,5 +1,6 @@
-"""``rollout.weight_sync``: auto resolves to memory only for a vLLM server the run launches, memory
-is accepted for vLLM and SGLang servers, and refused where it cannot work, naming the keys."""
+"""``rollout.weight_sync``: auto resolves to memory only for a server the run launches (vLLM or
+SGLang), memory is accepted for vLLM and SGLang servers, and refused where it cannot work, naming
+the keys; ``rollout.launch`` and ``rollout.server_device`` are refused where they cannot apply."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ QUICKSTART = "examples/quickstart.yaml"
         (["rollout.engine=vllm", "rollout.urls=[http://h:8000]", "rollout.weight_sync=memory"], "memory"),
         (["rollout.engine=vllm", "rollout.launch=true", "rollout.weight_sync=disk"], "disk"),
         (["rollout.engine=sglang", "rollout.urls=[http://h:30000]"], "disk"),
+        (["rollout.engine=sglang", "rollout.launch=true", "rollout.server_device=cpu"], "memory"),
         (["rollout.engine=sglang", "rollout.urls=[http://h:30000]", "rollout.weight_sync=memory"], "memory"),
     ],
 )
-def test_auto_is_memory_only_for_a_launched_vllm_server(overrides, mode):
+def test_auto_is_memory_only_for_a_launched_server(overrides, mode):
     assert weight_sync_mode(load_config(QUICKSTART, overrides).rollout) == mode
 
 
@@ -33,6 +35,11 @@ def test_auto_is_memory_only_for_a_launched_vllm_server(overrides, mode):
         (
             ["rollout.weight_sync=memory"],
             "rollout.weight_sync='memory' sends weights to vLLM or SGLang servers; rollout.engine='embedded'",
+        ),
+        (["rollout.launch=true"], "rollout.launch=true starts one vLLM or SGLang server"),
+        (
+            ["rollout.engine=vllm", "rollout.launch=true", "rollout.server_device=cpu"],
+            "rollout.server_device is for a launched SGLang server",
         ),
         (
             [
