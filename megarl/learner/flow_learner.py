@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from megarl.learner.flow_dit import FlowDiT, FlowDiTSpec
 
+LossFn = Callable[[], torch.Tensor]
+LossFns = LossFn | list[LossFn]
+
 
 class FlowLearner:
     """A ``FlowDiT`` under ``groups`` with megatron's Adam (``lr``, gradient clipping at
@@ -81,28 +84,36 @@ class FlowLearner:
 
     def all_reduce_dp(self, value: torch.Tensor) -> float:
         """A replica's share summed over the data-parallel replicas."""
-        v = value.detach().double().reshape(1).clone()
+        v = value.detach().double().reshape(1).clone().to(self.groups.device)
         if self.groups.dp_size > 1:
             dist.all_reduce(v, group=self.groups.dp)
         return float(v)
 
-    def backward(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Zero the gradients, back-propagate this rank's share ``loss_fn()`` and reduce the
-        gradients over the replicas (into each parameter's ``main_grad``); returns the share."""
+    def micro_batches(self, part: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """``part`` (this replica's share) in ``n`` micro-batches, none empty."""
+        return list(part.tensor_split(max(1, min(n, len(part)))))
+
+    def backward(self, loss_fns: LossFns) -> torch.Tensor:
+        """Zero the gradients, back-propagate this rank's share (``loss_fns``: one closure, or one
+        per micro-batch, their gradients accumulated in the DDP buffers) and reduce the gradients
+        over the replicas (into each parameter's ``main_grad``); returns the share's loss."""
         from megatron.core.distributed import finalize_model_grads
 
         if self.ddp is None:
             raise RuntimeError("backward on a frozen flow learner (trainable=False)")
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = loss_fn()
-        loss.backward()
+        total = torch.zeros((), dtype=torch.float64)
+        for fn in loss_fns if isinstance(loss_fns, (list, tuple)) else [loss_fns]:
+            loss = fn()
+            loss.backward()
+            total = total + loss.detach().double().cpu()
         finalize_model_grads([self.ddp], num_tokens=None)
-        return loss
+        return total
 
-    def train_step(self, loss_fn: Callable[[], torch.Tensor]) -> tuple[float, float]:
-        """One optimizer step on ``loss_fn()`` (this rank's share); returns (whole loss, grad norm)."""
-        loss = self.backward(loss_fn)
+    def train_step(self, loss_fns: LossFns) -> tuple[float, float]:
+        """One optimizer step on this rank's share (see ``backward``); returns (whole loss, grad norm)."""
+        loss = self.backward(loss_fns)
         _, grad_norm, _ = self.optimizer.step()
         return self.all_reduce_dp(loss), float(grad_norm or 0.0)
 

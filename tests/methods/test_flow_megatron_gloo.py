@@ -1,9 +1,9 @@
 """The flow methods on the Megatron flow DiT over real gloo ranks (two spawned processes): LC-GRPO's
 and FlowCTS's loss and gradient, each data-parallel replica computing its share through the
-methods' own ``share_loss`` and megatron DDP reducing the gradients, equal reference/flow.py's
-per-sample loops through its plain-PyTorch DiT on the same (gathered) weights: TP=1 (DP=2), TP=2,
-and the Mixture-of-Experts DiT with EP=2 (DP=2, alltoall dispatch). And both methods' Megatron
-hooks resume exactly from their sharded checkpoints (MoE, EP=2)."""
+methods' own ``share_loss`` (in 1 or 2 micro-batches) and megatron DDP reducing the gradients,
+equal reference/flow.py's per-sample loops through its plain-PyTorch DiT on the same (gathered)
+weights: TP=1 (DP=2), TP=2, and the Mixture-of-Experts DiT with EP=2 (DP=2, alltoall dispatch).
+And both methods' Megatron hooks resume exactly from their sharded checkpoints (MoE, EP=2)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def loss_case_entry(rank: int, group, payload: tuple) -> dict:
     from megarl.methods.gradients.lc_grpo import LCGRPOHook, LCGRPOKnobs, bump_reward, group_advantages
 
     torch.set_num_threads(1)
-    layout, experts, method, seed, opt = payload
+    layout, experts, method, seed, opt, micro = payload
     ln = _learner(layout, experts, seed)
     gen = torch.Generator().manual_seed(seed)
     out: dict = {}
@@ -65,7 +65,8 @@ def loss_case_entry(rank: int, group, payload: tuple) -> dict:
         old = old + 0.05 * torch.randn(old.shape, generator=gen, dtype=old.dtype)  # off-policy
         adv = group_advantages(bump_reward(traj[-1], k.target, 1.0), G)
         ro = {"traj": traj, "old": old, "idx": idx, "adv": adv}
-        loss = ln.backward(lambda: hook.share_loss(ro, ln.dp_share(G * GROUPS))[0])
+        parts = ln.micro_batches(ln.dp_share(G * GROUPS), micro)
+        loss = ln.backward([lambda c=c: hook.share_loss(ro, c)[0] for c in parts])
         out.update(ro)
     else:
         objective, n, own = opt
@@ -73,7 +74,8 @@ def loss_case_entry(rank: int, group, payload: tuple) -> dict:
         hook = FlowCTSHook(k, student=ln, reference=_learner(layout, experts, seed + 1))
         x = torch.randn(STATES, 2, generator=gen, dtype=torch.float64)
         t_k = 0.9 * torch.rand(STATES, generator=gen, dtype=torch.float64)
-        loss = ln.backward(lambda: hook.share_loss(x, t_k, ln.dp_share(STATES)))
+        parts = ln.micro_batches(ln.dp_share(STATES), micro)
+        loss = ln.backward([lambda c=c: hook.share_loss(x, t_k, c) for c in parts])
         out.update(x=x, t_k=t_k, reference=full_weights(hook.reference.model, ln.groups))
     out.update(
         loss=ln.all_reduce_dp(loss),
@@ -137,10 +139,10 @@ def test_loss_and_gradient_equal_the_reference_on_the_same_weights(gloo2, layout
     tol = {"rtol": 1e-6, "atol": 1e-8} if experts else {"rtol": 1e-9, "atol": 1e-11}
 
     @settings(max_examples=2, deadline=None, database=None)
-    @given(st.integers(0, 2**16), CASES)
-    def check(seed, case):
+    @given(st.integers(0, 2**16), CASES, st.sampled_from([1, 2]))
+    def check(seed, case, micro):
         method, opt = case
-        outs = gloo2.run(f"{__name__}:loss_case_entry", (lay, experts, method, seed, opt))
+        outs = gloo2.run(f"{__name__}:loss_case_entry", (lay, experts, method, seed, opt, micro))
         for name, t in outs[0]["weights"].items():  # every rank gathered the same full model
             assert torch.equal(t, outs[1]["weights"][name]), name
         assert outs[0]["loss"] == outs[1]["loss"]

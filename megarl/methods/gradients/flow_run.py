@@ -29,7 +29,8 @@ class FlowKnobs(Knobs):
     """Knobs shared by the flow methods: seed; pretrain_steps, pretrain_lr (flow matching on the
     ring before RL); model: mlp | megatron; hidden (MLP / DiT width); layers, heads (the DiT's);
     experts (the DiT's: 0 dense, N experts, -1: 2·ep experts when the run's layout has ep > 1, else
-    dense); steps (K sampling steps); lr (Adam)."""
+    dense); micro_batches (the DiT's: each replica's share in this many backward passes); steps
+    (K sampling steps); lr (Adam)."""
 
     seed: int = 0
     pretrain_steps: int = 400
@@ -39,6 +40,7 @@ class FlowKnobs(Knobs):
     layers: int = 2
     heads: int = 4
     experts: int = -1
+    micro_batches: int = 1
     steps: int = 10
     lr: float = 1e-3
 
@@ -53,8 +55,10 @@ class FlowKnobs(Knobs):
             raise ValueError("method.lr and method.pretrain_lr must be > 0")
         if self.model not in MODELS:
             raise ValueError(f"method.model={self.model!r}; known: {', '.join(MODELS)}")
-        if self.layers < 1 or self.heads < 1 or self.experts < -1:
-            raise ValueError("method.layers >= 1, method.heads >= 1 and method.experts >= -1")
+        if self.layers < 1 or self.heads < 1 or self.experts < -1 or self.micro_batches < 1:
+            raise ValueError(
+                "method.layers >= 1, method.heads >= 1, method.experts >= -1 and method.micro_batches >= 1"
+            )
 
 
 def replicated_model(k: FlowKnobs, seed: int, pretrain_steps: int) -> fm.VelocityMLP:
@@ -91,8 +95,14 @@ class PlainFlow:
         """The value itself (one replica)."""
         return float(value.detach())
 
-    def train_step(self, loss_fn) -> tuple[float, float]:
-        """One Adam step on ``loss_fn()``; returns (loss, grad norm before clipping)."""
+    def micro_batches(self, part: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """The whole batch at once (a replicated model trains it in one pass)."""
+        return [part]
+
+    def train_step(self, loss_fns) -> tuple[float, float]:
+        """One Adam step on the loss (one closure, or a list of one); returns (loss, grad norm
+        before clipping)."""
+        loss_fn = loss_fns[0] if isinstance(loss_fns, list) else loss_fns
         loss = loss_fn()
         self.opt.zero_grad()
         loss.backward()

@@ -174,13 +174,14 @@ class FlowCTSHook(FlowHook):
         gen = torch.Generator().manual_seed(k.seed * 1_000_003 + step)
         before = self.flow.flat()
         loss = 0.0
-        part = self.flow.dp_share(k.batch)
+        micro = self.flow.micro_batches(self.flow.dp_share(k.batch), k.micro_batches)
         for _ in range(k.updates):
             x, t_k = visited_states(self.model, k.batch, k.steps, gen)
             if isinstance(self.flow, PlainFlow):  # the whole batch's mean
                 loss, _ = self.flow.train_step(lambda x=x, t_k=t_k: self.loss(x, t_k))
             else:
-                loss, _ = self.flow.train_step(lambda x=x, t_k=t_k: self.share_loss(x, t_k, part))
+                fns = [lambda x=x, t_k=t_k, c=c: self.share_loss(x, t_k, c) for c in micro]
+                loss, _ = self.flow.train_step(fns)
         self.updates += 1
         err = endpoint_error(self.model, self.reference, 256, k.steps, torch.Generator().manual_seed(k.seed))
         return {

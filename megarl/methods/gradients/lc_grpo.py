@@ -133,18 +133,18 @@ class LCGRPOHook(FlowHook):
         """Rollouts, then ``updates`` Adam steps on the per-step PPO-clip loss."""
         k, ro = self.knobs, self.rollouts(step)
         before = self.flow.flat()
-        part = self.flow.dp_share(ro["traj"].shape[1])
+        micro = self.flow.micro_batches(self.flow.dp_share(ro["traj"].shape[1]), k.micro_batches)
         loss, clipped = 0.0, torch.zeros(())
         for _ in range(k.updates):
             out: list = []
 
-            def share(out=out) -> torch.Tensor:
-                value, frac = self.share_loss(ro, part)
+            def share(chunk: torch.Tensor, out=out) -> torch.Tensor:
+                value, frac = self.share_loss(ro, chunk)
                 out.append(frac)
                 return value
 
-            loss, _ = self.flow.train_step(share)
-            clipped = out[0]
+            loss, _ = self.flow.train_step([lambda c=c: share(c) for c in micro])
+            clipped = sum(out[1:], out[0])
         self.updates += 1
         sde, ode = float(ro["rewards"].mean()), float(ro["ode_rewards"].mean())
         return {
