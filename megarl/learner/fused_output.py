@@ -108,18 +108,14 @@ class FusedHead:
         finally:
             self._bypass.active = False
 
-    def token_stats(
-        self, hidden: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor, with_entropy: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs [T], entropy [T]) of ``tokens`` from the last stage's hidden states ``[T_pad(/tp), H]``
-        (what the model returned inside ``hidden_out``), aligned like ``align_logits``."""
+    def _aligned(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, Any, bool]:
+        """(hidden states aligned like ``align_logits`` [T, H], TP group, whether the op sums the
+        hidden gradient over TP) from the last stage's ``[T_pad(/tp), H]``."""
         from megarl.learner.forward import align_logits
-        from megarl.ops.fused_output import fused_logprobs_entropy
 
         if self._bypass is None or self._bypass.weight is None:
-            raise RuntimeError("token_stats before a forward inside hidden_out(True)")
+            raise RuntimeError("the fused output layer was used before a forward inside hidden_out(True)")
         g = self.groups
-        tp_group = g.tp if g.layout.tp > 1 else None
         reduce_here = True
         if g.layout.tp > 1 and g.layout.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -128,7 +124,17 @@ class FusedHead:
                 hidden, tensor_parallel_output_grad=True, group=g.tp
             )
             reduce_here = False  # the gather's backward reduce-scatters the ranks' parts
-        aligned = align_logits(hidden, cu_seqlens)
+        return align_logits(hidden, cu_seqlens), (g.tp if g.layout.tp > 1 else None), reduce_here
+
+    def token_stats(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor, with_entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [T], entropy [T]) of ``tokens`` from the last stage's hidden states ``[T_pad(/tp), H]``
+        (what the model returned inside ``hidden_out``), aligned like ``align_logits``."""
+        from megarl.ops.fused_output import fused_logprobs_entropy
+
+        aligned, tp_group, reduce_here = self._aligned(hidden, cu_seqlens)
+        assert self._bypass is not None and self._bypass.weight is not None
         return fused_logprobs_entropy(
             aligned,
             self._bypass.weight,
@@ -138,3 +144,13 @@ class FusedHead:
             with_entropy=with_entropy,
             reduce_hidden_grad=reduce_here,
         )
+
+    def topk_logprobs(
+        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [T, k], logprobs [T, k]) of the k most likely tokens at every aligned position."""
+        from megarl.ops.fused_output import fused_topk_logprobs
+
+        aligned, tp_group, _ = self._aligned(hidden, cu_seqlens)
+        assert self._bypass is not None and self._bypass.weight is not None
+        return fused_topk_logprobs(aligned, self._bypass.weight, k, tp_group, self.chunk_tokens)

@@ -358,6 +358,40 @@ class Learner:
         return torch.cat([d["logits"] for d in out])
 
     @torch.no_grad()
+    def compute_topk_logprobs(
+        self, batch: PackedBatch, k: int, num_micro_batches: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids [T, k] int64 global ids, logprobs [T, k] fp32) of the k most likely tokens at every
+        position of ``batch``, aligned like ``compute_logits`` (rows of first tokens unused), best
+        first, on the last pipeline stage (None elsewhere). With the fused output layer
+        (``fused_output``) no ``[T, V/tp]`` logits exist; else a vocab-parallel top-K of the logits."""
+        from megarl.ops.vocab_parallel import vocab_parallel_logsumexp, vocab_parallel_topk
+
+        fused = self.fused.enabled()
+        tp_group = self.groups.tp if self.groups.layout.tp > 1 else None
+
+        def loss_func(mb: PackedBatch, out: torch.Tensor):
+            if fused:
+                ids, lp = self.fused.topk_logprobs(out, mb.cu_seqlens, k)
+            else:
+                aligned = align_logits(out, mb.cu_seqlens)
+                vals, ids = vocab_parallel_topk(aligned, k, tp_group)
+                lse = vocab_parallel_logsumexp(aligned.float(), tp_group, self.cfg.chunk_tokens)
+                lp = vals.float() - lse.unsqueeze(-1)
+            return out.new_zeros(()), torch.tensor(1, dtype=torch.int), {"ids": ids, "lp": lp.float()}
+
+        self.ddp.eval()
+        try:
+            out = self._run_schedule(
+                batch.split(num_micro_batches), loss_func, forward_only=True, fused=fused
+            )
+        finally:
+            self.ddp.train()
+        if not self.groups.is_last_stage:
+            return None
+        return torch.cat([d["ids"] for d in out]), torch.cat([d["lp"] for d in out])
+
+    @torch.no_grad()
     def compute_head(self, batch: PackedBatch, name: str, num_micro_batches: int = 1) -> torch.Tensor:
         """Output head ``name``'s values ``[T]`` (float32, every rank) of ``batch`` under the current
         weights, aligned like ``compute_logprobs`` (first token of each sequence: 0). Collective."""

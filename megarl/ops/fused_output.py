@@ -150,3 +150,40 @@ def fused_logprobs_entropy(
     return _FusedLogprobEntropy.apply(
         hidden, weight, targets.long(), tp_group, chunk_tokens, with_entropy, reduce_hidden_grad
     )
+
+
+@torch.no_grad()
+def fused_topk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    tp_group: Any = None,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of ``softmax(hidden @ weight.T)`` and their log-probabilities,
+    chunked (no gradient): hidden [T, H] (same on every rank), weight [V/tp, H] (this rank's rows)
+    -> (ids [T, k] int64 global ids, logprobs [T, k] fp32; fp64 for an fp64 weight), sorted best
+    first, the same on every rank. Ties go to the lower id, as ``vocab_parallel_topk`` on the logits.
+    """
+    T, vl = hidden.shape[0], weight.shape[0]
+    acc = _acc_dtype(weight)
+    v0 = comm.rank(tp_group) * vl
+    kk = min(k, vl)
+    vals = torch.empty(T, kk, dtype=acc, device=hidden.device)
+    ids = torch.empty(T, kk, dtype=torch.long, device=hidden.device)
+    lmax = torch.empty(T, dtype=acc, device=hidden.device)
+    partial = torch.zeros(1, T, dtype=acc, device=hidden.device)
+    for s, e in _chunks(T, chunk_tokens, vl):
+        z = _chunk_logits(hidden, weight, s, e, acc)
+        top = torch.topk(z, kk, dim=-1, sorted=True)
+        vals[s:e], ids[s:e] = top.values, top.indices + v0
+        m = z.max(-1).values
+        lmax[s:e] = m
+        partial[0, s:e] = z.sub_(m.unsqueeze(-1)).exp_().sum(-1)
+        del z
+    gmax, sums, _ = _global_lse(lmax, partial, tp_group)
+    lse = gmax + torch.log(sums[0])
+    all_vals = torch.cat(comm.all_gather(vals, tp_group), -1)  # [T, tp·kk], ranks in id order
+    all_ids = torch.cat(comm.all_gather(ids, tp_group), -1)
+    order = torch.sort(-all_vals, dim=-1, stable=True).indices[:, :k]  # stable: lower id first on ties
+    return all_ids.gather(-1, order), all_vals.gather(-1, order) - lse.unsqueeze(-1)

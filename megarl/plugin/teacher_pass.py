@@ -8,7 +8,8 @@
 - ``teacher_topk``: ``token_extras["teacher_topk_ids"]`` [T, K] (int64, global ids, best first)
   and ``["teacher_topk_logprobs"]`` [T, K] (last stage), from a vocab-parallel top-K (local top-K,
   all-gather of TP·K candidates, top-K again) and the global log-normaliser; K is
-  ``inputs.teacher_topk.top_k``.
+  ``inputs.teacher_topk.top_k``. Without ``teacher_logits`` this is the learner's top-K pass
+  (``Learner.compute_topk_logprobs``: with the fused output layer, no ``[T, V/tp]`` logits).
 
 A teacher served by an engine (megarl/plugin/engine_teacher.py) fills ``teacher_logprobs`` and
 ``teacher_topk`` (the engine's top-K logprobs), not ``teacher_logits``.
@@ -102,6 +103,12 @@ class MegatronTeacherPass:
         if "teacher_logprobs" in self.names:
             batch.teacher_logprobs, _ = self.learner.compute_logprobs(batch, micro_batches)
         if not self.names & {"teacher_logits", "teacher_topk"}:
+            return {}
+        if "teacher_logits" not in self.names:  # top-K only: the learner's pass never needs [T, V/tp]
+            top = self.learner.compute_topk_logprobs(batch, self.top_k, micro_batches)
+            if top is not None:  # None: not the last pipeline stage
+                batch.token_extras["teacher_topk_ids"] = top[0].cpu()
+                batch.token_extras["teacher_topk_logprobs"] = top[1].cpu()
             return {}
         logits = self.learner.compute_logits(batch, micro_batches)
         if logits is None:  # not the last pipeline stage: the loss never runs here

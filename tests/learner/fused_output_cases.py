@@ -1,11 +1,12 @@
 """The fused output layer inside the megatron learner (a case for tests/learner/dist_cases.py).
 
 ``fused:<model>:<layout>``: one learner, the same weights, ``fused_output`` off then on: the logprob
-pass (logprobs and entropies), every parameter's gradient of one backward of the composed RL
-objective (PPO + k3 KL + entropy bonus, two micro-batches) and a full train step's loss and
-gradient norm agree within FUSED_TOL; the fused pass really ran without logits (the output layer
-returned hidden states), 'auto' falls back to the logits for an objective that reads them and
-'on' refuses it naming the reason, as it refuses a hooked output layer.
+pass (logprobs and entropies), the top-K pass (ids and logprobs of a teacher's top-K), every
+parameter's gradient of one backward of the composed RL objective (PPO + k3 KL + entropy bonus,
+two micro-batches) and a full train step's loss and gradient norm agree within FUSED_TOL; the
+fused pass really ran without logits (the output layer returned hidden states), 'auto' falls back
+to the logits for an objective that reads them and 'on' refuses it naming the reason, as it
+refuses a hooked output layer.
 ``<model>``: dense, moe or a key of dist_cases.VARIANTS (tied1002: tied embeddings).
 """
 
@@ -53,9 +54,12 @@ def case_fused(args, model: str, layout_name: str) -> dict:
     shard = dp_shard(batch, ln)
     objective = RLObjective(ObjectiveConfig(**_OBJECTIVE))
     out: dict = {}
+    tops: dict = {}
     for mode in ("off", "on"):
         ln.fused.mode = mode
         lp, ent = ln.compute_logprobs(batch, num_micro_batches=2, with_entropy=True)
+        top = ln.compute_topk_logprobs(batch, 5, num_micro_batches=2)
+        tops[mode] = top
         ln.backward_pass(shard, objective, num_micro_batches=2)
         grads = _grads(ln)
         ln.load_hf(d)  # the train step starts from the same weights in both modes
@@ -68,6 +72,23 @@ def case_fused(args, model: str, layout_name: str) -> dict:
     d_ent = max_over_world(float((ent_a - ent_b).abs().max()))
     scale = max_over_world(max(float(v.abs().max()) for v in g_a.values()))
     d_grad = max_over_world(max(float((g_a[k] - g_b[k]).abs().max()) for k in g_a))
+    # a teacher's top-K input without its logits goes through the (fused) top-K pass
+    from megarl.plugin.teacher_pass import MegatronTeacherPass
+
+    ln.fused.mode = "auto"
+    filled = batch.select(list(range(batch.num_seqs)))
+    MegatronTeacherPass(ln, frozenset({"teacher_topk"}), top_k=5).fill(filled, 2)
+    d_topk, topk_ids_equal = 0.0, True
+    if tops["off"] is not None:  # last stage; rows of first tokens (zero logits: all tied) unused
+        rows = torch.ones(batch.num_tokens, dtype=torch.bool)
+        rows[batch.cu_seqlens[:-1]] = False
+        for ids, lp in (
+            tops["on"],
+            (filled.token_extras["teacher_topk_ids"], filled.token_extras["teacher_topk_logprobs"]),
+        ):
+            topk_ids_equal &= torch.equal(tops["off"][0][rows], ids[rows])
+            d_topk = max(d_topk, float((tops["off"][1][rows] - lp[rows]).abs().max()))
+    d_topk = max_over_world(d_topk + (0.0 if topk_ids_equal else 1e9))
     d_loss = abs(m_a["loss"] - m_b["loss"])
     d_gn = abs(m_a["grad_norm"] - m_b["grad_norm"]) / max(m_a["grad_norm"], 1e-12)
 
@@ -102,6 +123,7 @@ def case_fused(args, model: str, layout_name: str) -> dict:
         "d_entropy": d_ent,
         "d_grad": d_grad,
         "grad_scale": scale,
+        "d_topk_logprobs": d_topk,
         "d_loss": d_loss,
         "d_grad_norm_rel": d_gn,
         "auto_full_vocab": auto_full,
@@ -112,6 +134,7 @@ def case_fused(args, model: str, layout_name: str) -> dict:
         and d_ent <= FUSED_TOL
         and d_grad <= FUSED_TOL * max(scale, 1.0)
         and d_loss <= FUSED_TOL
+        and d_topk <= FUSED_TOL
         and d_gn <= FUSED_TOL
         and not auto_full
         and auto_plain
