@@ -251,3 +251,21 @@ def sc_grpo_vocab_advantages(
     k = token_divergence(old_logits, teacher_logits, direction, top_k).double() * on[:, None].double()
     a = grpo(rewards, group_ids, scale_by_std)
     return a[:, None] * sc_grpo_weights(k, mask, on, power, w_max)
+
+
+def uopsd_select_many(answers: list, lengths: list, min_vote: float, m: int) -> tuple:
+    """(indices of the m shortest majority-agreeing rollouts, shortest first, ties by index; the
+    index of y_w; |C| / G), or ([], None, |C| / G) when the group is skipped. m = 1 is
+    ``uopsd_select``. Reconstructed (U-OPSD averaged over several verified solutions)."""
+    s, w, share = uopsd_select(answers, lengths, min_vote)
+    if w is None:
+        return [], None, share
+    mode = answers[s]
+    agree = sorted((i for i, a in enumerate(answers) if a == mode and i != w), key=lambda i: (lengths[i], i))
+    return agree[:m], w, share
+
+
+def mixture_logprobs(per_solution: torch.Tensor) -> torch.Tensor:
+    """The teacher's logprob of each token under the mixture of its self-conditioned distributions:
+    per_solution [c, L] (one row per solution read) -> [L] log((1/c) Σ_j exp(row_j))."""
+    return torch.logsumexp(per_solution.double(), 0) - torch.log(torch.tensor(float(per_solution.shape[0])))

@@ -7,6 +7,7 @@ skipped groups give zero loss, teacher = student gives zero loss, the teacher ge
 import asyncio
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +16,14 @@ import reference.self_distillation as ref
 from megarl.batch import from_sequences
 from megarl.data.tokenizer import CharTokenizer
 from megarl.methods.distillation.routes import set_routes
-from megarl.methods.distillation.self_teacher import CONTEXT, CORRECT, ContextKnobs, SelfTeacherContext
+from megarl.methods.distillation.self_teacher import (
+    CONTEXT,
+    CORRECT,
+    ContextKnobs,
+    SelfTeacher,
+    SelfTeacherContext,
+    TeacherKnobs,
+)
 from megarl.methods.distillation.uopsd import SPEC, uopsd_rule
 from megarl.objectives.api import GlobalNormalisers, LossContext
 from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
@@ -23,13 +31,14 @@ from megarl.plugin.knobs import build_knobs
 from megarl.plugin.rounds import RolloutRound
 from megarl.testing.equivalence import split_sequences
 from tests.methods.helpers import load_example
+from tests.methods.test_self_teacher import TinyCausalLM, V
 from tests.methods.trust_regions_harness import (
     assert_equivalent,
     megarl_method_loss_and_grad,
     padded_inputs,
     reference_method_loss_and_grad,
 )
-from tests.property.strategies import rl_cases
+from tests.property.strategies import build_batch, rl_cases
 
 AGGS = ("seq-mean-token-mean", "token-mean")
 CFGS = st.builds(
@@ -261,3 +270,73 @@ def test_example_and_spec():
     cfg = load_example("uopsd")
     assert cfg["method"]["name"] == "uopsd" and cfg["inputs"]["self_teacher_context"]["source"] == "majority"
     assert SPEC.config["inputs"]["routes"]["rule"] == "uopsd"
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["1", "2"]), st.integers(0, 3)), min_size=2, max_size=6),
+    st.sampled_from([0.0, 0.5]),
+    st.sampled_from([2, 3]),
+)
+def test_several_solutions_follow_the_reference_selection(samples, min_vote, m):
+    """solutions: m: the target's row holds the m shortest majority rollouts, one block each,
+    shortest first (reference uopsd_select_many); other samples have none."""
+    texts = [a + " " * pad for a, pad in samples]
+    n = len(texts)
+    r = RolloutRound(
+        prompts=["R 1="],
+        answers=["9"],
+        uids=[0],
+        prompt_ids=[TOK.encode("R 1=")],
+        response_ids=[TOK.encode(t, bos=False) for t in texts],
+        texts=texts,
+        dims={},
+        scalar=torch.zeros(n),
+        n=n,
+        step=1,
+        round=0,
+    )
+    knobs = {"source": "majority", "when": "longest_incorrect", "min_vote": min_vote, "solutions": m}
+    res = asyncio.run(SelfTeacherContext(TOK, build_knobs(ContextKnobs, knobs, "inputs.x")).process(r))
+    teachers, w, _ = ref.uopsd_select_many([a for a, _ in samples], [len(t) for t in texts], min_vote, m)
+    rows = torch.as_tensor(res.extras[CONTEXT])
+    assert rows.shape == (n, 64 * m) and res.extras["self_teacher_blocks"] == [float(m)] * n
+    for i in range(n):
+        blocks = rows[i].split(64)
+        got = [TOK.decode([int(x) for x in b if not math.isnan(x)]) for b in blocks]
+        want = [texts[j] for j in teachers] if i == w else []
+        assert [g for g in got if g] == want and all(not g for g in got[len(want) :])
+
+
+def test_the_teacher_is_the_mixture_of_the_solutions_read():
+    """Two blocks: the self-teacher's logprob of every response token is log of the mean of the
+    two self-conditioned probabilities (reference mixture_logprobs), one where only one solution
+    exists, 0 and off without any."""
+
+    b = build_batch(
+        [3, 2, 4], [4, 5, 2], [0, 0, 1], [False] * 11, V, torch.Generator().manual_seed(3), torch.float64
+    )
+    rows = torch.full((3, 6), math.nan, dtype=torch.float64)
+    rows[0, :2], rows[0, 3:6] = torch.tensor([4.0, 7.0]), torch.tensor([1.0, 2.0, 3.0])
+    rows[2, 3:5] = torch.tensor([5.0, 6.0])  # only the second block
+    b.extras.update({CONTEXT: rows, "self_teacher_blocks": torch.full((3,), 2.0, dtype=torch.float64)})
+    model = TinyCausalLM(1)
+    SelfTeacher(model, TeacherKnobs()).fill(b, 2)
+    cu = b.cu_seqlens.tolist()
+
+    def conditioned(i, ctx):
+        p, seq = int(b.prompt_lens[i]), b.tokens[cu[i] : cu[i + 1]].tolist()
+        full = model.logprobs(seq[:p] + ctx + seq[p:])
+        return torch.cat([full[:p], full[p + len(ctx) :]])
+
+    want0 = ref.mixture_logprobs(torch.stack([conditioned(0, [4, 7]), conditioned(0, [1, 2, 3])]))
+    torch.testing.assert_close(b.self_teacher_logprobs[cu[0] : cu[1]], want0.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        b.self_teacher_logprobs[cu[2] : cu[3]], conditioned(2, [5, 6]).float(), rtol=0, atol=1e-6
+    )
+    assert bool((b.self_teacher_logprobs[cu[1] : cu[2]] == 0).all())
+    assert b.extras["self_teacher_on"].tolist() == [1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="solutions=2"):
+        SelfTeacher(model, TeacherKnobs(forward="all")).fill(b, 1)
+    with pytest.raises(ValueError, match="solutions=2: >= 1, and > 1 only with source sibling or majority"):
+        ContextKnobs(source="answer", solutions=2).check()

@@ -69,7 +69,7 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     # self-teacher a context so that its forward runs in the smoke's 2 steps
     "sc-grpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "crpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
-    "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
+    "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0, "solutions": 2}}},  # a 2-solution mixture
     # the smoke policy reads no card correctly in 2 steps: a negative margin opens SKALD's
     # teacher-advantage gate, so that the tilted term toward the card-reading self-teacher trains
     "skald-cards": {

@@ -238,6 +238,9 @@ def check_signal(name: str, r: dict) -> None:
             assert abs(sum(s[f"route/{k}_frac"] for k in names) - 1) < 1e-9, s
         fwd = _any(r, "self_teacher/forwarded_frac")
         assert len(fwd) == STEPS and any(f > 0 for f in fwd), fwd
+        if name == "uopsd":  # the smoke reads up to 2 solutions per target: their mixture teaches
+            sols = _any(r, "self_teacher/solutions_mean")
+            assert len(sols) == STEPS and all(1 <= x <= 2 for x, f in zip(sols, fwd) if f > 0), sols
     elif name == "sc-grpo":  # the self-teacher forward ran every step (answer contexts in the smoke)
         fwd = _any(r, "self_teacher/forwarded_frac")
         assert len(fwd) == STEPS and all(f > 0 for f in fwd), fwd

@@ -41,6 +41,7 @@ import torch
 
 from megarl.batch import PackedBatch
 from megarl.methods.critics.privileged import context_row, privileged_batch
+from megarl.methods.distillation.solution_mixture import BLOCKS, choose_context_sets, mixture_logprobs
 from megarl.plugin.inputs import InputProvider, register_provider
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.rounds import RolloutRound, RoundResult
@@ -58,7 +59,9 @@ WHEN = ("all", "incorrect", "group_all_wrong", "longest_incorrect")
 class ContextKnobs(Knobs):
     """See the module docstring. answer_pattern: a regex whose group 1 (else the whole match) is a
     response's answer for the majority vote (empty: the stripped response); min_vote: the vote
-    share the majority answer needs; max_tokens: the longest context (its row width)."""
+    share the majority answer needs; max_tokens: the longest context (its row width); solutions:
+    how many verified solutions a chosen sample reads in turn, the teacher being their mixture
+    (sibling / majority sources; megarl/methods/distillation/solution_mixture.py)."""
 
     source: str = "answer"
     template: str = "{solution}"
@@ -67,6 +70,7 @@ class ContextKnobs(Knobs):
     answer_pattern: str = ""
     min_vote: float = 0.5
     cards: str = ""
+    solutions: int = 1
 
     def check(self) -> None:
         """Names, ranges, a template that formats with ``solution``/``answer`` only, a valid regex."""
@@ -84,6 +88,10 @@ class ContextKnobs(Knobs):
             raise ValueError("template: source=majority reads no ground truth, so {answer} is refused")
         if self.source == "skill_card" and "{answer}" in self.template:
             raise ValueError("template: source=skill_card shows an answer-free card, so {answer} is refused")
+        if self.solutions < 1 or (self.solutions > 1 and self.source not in ("sibling", "majority")):
+            raise ValueError(
+                f"solutions={self.solutions}: >= 1, and > 1 only with source sibling or majority"
+            )
         if (self.source == "skill_card") != bool(self.cards):
             raise ValueError("cards (a JSONL file of task cards) is set exactly when source=skill_card")
         if self.max_tokens < 1:
@@ -194,24 +202,33 @@ class SelfTeacherContext:
             lengths = [len(x) for x in r.response_ids[sl]]
             ok = usable[g] and (cards is None or cards[g] is not None)
             source = "answer" if cards is not None else k.source  # a card: one text for the prompt
-            picks = choose_contexts(lengths, correct[sl], source, k.when, ok)
-            for j, pick in enumerate(picks):
-                if pick is None:
-                    rows.append([math.nan] * k.max_tokens)
-                    continue
-                if cards is not None:
-                    solution = cards[g]
-                else:
-                    solution = r.answers[g] if pick == -1 else r.texts[g * r.n + pick]
-                answer = "" if k.source in ("majority", "skill_card") else r.answers[g]
-                text = k.template.format(solution=solution, answer=answer)
-                where = f"inputs.{CONTEXT}: the context of sample {j} of prompt {r.uids[g]}"
-                rows.append(context_row(self.tokenizer, text, k.max_tokens, where))
-                used += 1
+            if k.solutions > 1:
+                sets = choose_context_sets(lengths, correct[sl], source, k.when, ok, k.solutions)
+            else:
+                sets = [
+                    [] if p is None else [p]
+                    for p in choose_contexts(lengths, correct[sl], source, k.when, ok)
+                ]
+            for j, picks in enumerate(sets):
+                row: list[float] = []
+                for pick in picks:
+                    if cards is not None:
+                        solution = cards[g]
+                    else:
+                        solution = r.answers[g] if pick == -1 else r.texts[g * r.n + pick]
+                    answer = "" if k.source in ("majority", "skill_card") else r.answers[g]
+                    text = k.template.format(solution=solution, answer=answer)
+                    where = f"inputs.{CONTEXT}: the context of sample {j} of prompt {r.uids[g]}"
+                    row += context_row(self.tokenizer, text, k.max_tokens, where)
+                rows.append(row + [math.nan] * (k.max_tokens * k.solutions - len(row)))
+                used += bool(picks)
         lens = [sum(not math.isnan(x) for x in row) for row in rows]
         on = [x for x in lens if x]
+        extras = {CONTEXT: rows, CORRECT: [float(c) for c in correct]}
+        if k.solutions > 1:
+            extras[BLOCKS] = [float(k.solutions)] * len(rows)
         return RoundResult(
-            extras={CONTEXT: rows, CORRECT: [float(c) for c in correct]},
+            extras=extras,
             metrics={
                 "self_teacher/context_frac": used / max(len(rows), 1),
                 "self_teacher/context_len": sum(on) / max(len(on), 1),
@@ -309,6 +326,27 @@ class SelfTeacher:
     def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
         """In place (collective); the fraction of sequences forwarded with a context."""
         rows = context_rows(batch)
+        m = int(batch.extras[BLOCKS][0]) if BLOCKS in batch.extras and batch.num_seqs else 1
+        if (
+            m > 1
+        ):  # several solutions per target: their mixture (megarl/methods/distillation/solution_mixture.py)
+            if LOGITS in self.names or self.knobs.forward != "with_context":
+                raise ValueError(
+                    f"inputs.{CONTEXT}.solutions={m}: the mixture teacher gives {LOGPROBS} with forward: "
+                    f"with_context only ({LOGITS}: one solution per target)"
+                )
+
+            def one(b, block, micro):
+                return self_teacher_logprobs(self.policy, b, block, micro, "with_context")
+
+            lp, count = mixture_logprobs(one, batch, rows, m, micro_batches)
+            has = count > 0
+            batch.self_teacher_logprobs = lp
+            batch.extras[ON] = has.to(torch.float64)
+            return {
+                "self_teacher/forwarded_frac": float(has.double().mean()) if has.numel() else 0.0,
+                "self_teacher/solutions_mean": float(count[has].double().mean()) if bool(has.any()) else 0.0,
+            }
         lp, has = self_teacher_logprobs(self.policy, batch, rows, micro_batches, self.knobs.forward)
         batch.self_teacher_logprobs = lp
         batch.extras[ON] = has.to(torch.float64)
