@@ -17,15 +17,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megarl.methods.critics.shared  # noqa: F401  (registers the value_head regulariser)
+from megarl.advantages.estimators import token_rewards
 from megarl.batch import unpack
 from megarl.learner.heads import HeadLayoutError, align_head, check_heads, is_head_parameter
-from megarl.methods.critics.critic import CriticKnobs, build_values
+from megarl.methods.critics.critic import CriticKnobs, build_values, value_targets
 from megarl.methods.critics.shared import SharedValues
 from megarl.objectives.api import LossContext
 from megarl.objectives.rl_objective import ObjectiveConfig, RLObjective, objective_heads
 from megarl.testing.equivalence import megarl_loss_and_grad
+from reference.advantages import gae as reference_gae
 from reference.critics import policy_and_value_loss
 from tests.property.strategies import rl_cases
+from tests.property.test_advantages import reward_batches
 
 C_V = 0.5
 CFG = ObjectiveConfig(
@@ -83,7 +86,22 @@ def test_policy_plus_value_equals_reference(case, tp, dp, micro):
     torch.testing.assert_close(glogits, ref_glogits, rtol=1e-7, atol=1e-9)
     # every TP rank computes the same (replicated) value term: its gradient arrives once per rank
     torch.testing.assert_close(leaf.grad / tp, ref_gv, rtol=1e-7, atol=1e-9)
-    assert ref_gv.abs().sum() > 0 or not b.loss_mask.any()  # a value gradient wherever there is a loss
+
+
+@settings(max_examples=15, deadline=None)
+@given(reward_batches(), st.sampled_from([1.0, 0.9]), st.sampled_from([0.0, 0.5, 0.95, 1.0]))
+def test_decoupled_critic_lambda_targets(b, gamma, lam):
+    """``targets: lambda``: the critic regresses on GAE(γ, λ_c) returns over V_old, whatever λ the
+    actor's advantages use; λ_c = 1 is the Monte Carlo return."""
+    pad = unpack(b)
+    am = pad.attention_mask
+    r, v = torch.zeros(am.shape, dtype=torch.float64), torch.zeros(am.shape, dtype=torch.float64)
+    r[am], v[am] = token_rewards(b), b.values.double()
+    _, want = reference_gae(r, v, pad.loss_mask.double(), gamma, lam)
+    got = value_targets(b, "lambda", gamma, lam)
+    torch.testing.assert_close(got.double(), want[am], rtol=1e-10, atol=1e-10)
+    if lam == 1.0:
+        torch.testing.assert_close(got, value_targets(b, "monte_carlo", gamma), rtol=1e-10, atol=1e-10)
 
 
 def test_the_run_builds_the_heads_the_objective_declares():
@@ -116,7 +134,9 @@ def test_refusals_name_the_setting():
     ):
         with pytest.raises(ValueError, match=f"inputs.values.{knob}"):
             CriticKnobs(model="shared", **{knob: value}).check()
-    CriticKnobs(model="shared", targets="monte_carlo", whiten_advantages=True).check()
+    CriticKnobs(model="shared", targets="lambda", lam=0.9, whiten_advantages=True).check()
+    with pytest.raises(ValueError, match="lam=1.5"):
+        CriticKnobs(targets="lambda", lam=1.5).check()
 
     no_head = types.SimpleNamespace(policy=types.SimpleNamespace(cfg=types.SimpleNamespace(heads=())))
     with pytest.raises(ValueError, match="value_head"):

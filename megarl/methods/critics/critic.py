@@ -14,8 +14,10 @@ epochs, init (policy | random | an HF checkpoint directory), bounds ([low, high]
 into the reward range),
 whiten_advantages (batch whitening of the advantages before the policy update), targets (estimator:
 the returns the advantage estimator wrote | monte_carlo: the discounted reward-to-go, GAE with
-λ = 1), warmup_steps (the first N RL steps train the critic only: the hook asks the trainer to skip
-the policy's optimizer steps, ``updates_policy``), context (a privileged critic: it reads each prompt
+λ = 1 | lambda: GAE returns over V_old with the critic's own λ ``lam``, decoupled from the actor's
+``advantage.lam``), lam (the critic's λ of ``targets: lambda``, in [0, 1]), warmup_steps (the
+first N RL steps train the critic only: the hook asks the trainer to skip the policy's optimizer
+steps, ``updates_policy``), context (a privileged critic: it reads each prompt
 with the ``critic_context`` round input appended, megarl.methods.critics.privileged), model
 (critic: the Megatron critic above | trunk: a small head on the policy's own detached hidden
 states, no second model: megarl.methods.critics.trunk, with layer, head_width, boundaries,
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megarl.advantages.estimators import monte_carlo_returns, whiten
+from megarl.advantages.estimators import gae, monte_carlo_returns, token_rewards, whiten
 from megarl.batch import PackedBatch
 from megarl.methods.critics.privileged import CONTEXT, context_rows, privileged_batch
 from megarl.objectives.api import GlobalNormalisers
@@ -56,6 +58,7 @@ class CriticKnobs(Knobs):
     bounds: list | None = None
     whiten_advantages: bool = False
     targets: str = "estimator"
+    lam: float = 1.0
     warmup_steps: int = 0
     context: bool = False
     model: str = "critic"
@@ -85,6 +88,8 @@ class CriticKnobs(Knobs):
             raise ValueError(f"bounds={self.bounds} must be [low, high] with low < high")
         if self.targets not in VALUE_TARGETS:
             raise ValueError(f"targets={self.targets!r}; known: {', '.join(VALUE_TARGETS)}")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"lam={self.lam} must be in [0, 1]")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.model not in VALUE_MODELS:
@@ -106,7 +111,7 @@ class CriticKnobs(Knobs):
             )
 
 
-VALUE_TARGETS: tuple[str, ...] = ("estimator", "monte_carlo")
+VALUE_TARGETS: tuple[str, ...] = ("estimator", "monte_carlo", "lambda")
 VALUE_MODELS: tuple[str, ...] = ("critic", "trunk", "shared")
 
 
@@ -130,15 +135,25 @@ def build_values(ctx: Any, knobs: CriticKnobs) -> Any:
     return Critic(ctx, knobs)
 
 
-def value_targets(batch: PackedBatch, targets: str, gamma: float = 1.0) -> torch.Tensor | None:
+def value_targets(
+    batch: PackedBatch, targets: str, gamma: float = 1.0, lam: float = 1.0
+) -> torch.Tensor | None:
     """The critic's regression targets [T]: the estimator's returns (``batch.returns``, None when
-    it wrote none) or the Monte Carlo return (``monte_carlo_returns``, in the dtype of the values)."""
+    it wrote none), the Monte Carlo return (``monte_carlo_returns``) or the λ-return of GAE over
+    ``batch.values`` with the critic's own ``lam`` (``lambda``: Â^{γ,λ_c} + V_old, whatever λ the
+    actor's advantages use); in the dtype of the values."""
     if targets == "estimator":
         return batch.returns
-    if targets != "monte_carlo":
+    if targets not in VALUE_TARGETS:
         raise ValueError(f"inputs.values.targets={targets!r}; known: {', '.join(VALUE_TARGETS)}")
     dtype = batch.values.dtype if batch.values is not None else torch.float32
-    return monte_carlo_returns(batch, gamma).to(dtype)
+    if targets == "monte_carlo":
+        return monte_carlo_returns(batch, gamma).to(dtype)
+    if batch.values is None:
+        raise ValueError("inputs.values.targets: lambda needs the batch field 'values' (V_old)")
+    m = batch.loss_mask.double()
+    _, ret = gae(token_rewards(batch), batch.values.double(), m, batch.cu_seqlens, gamma, lam)
+    return ret.to(dtype)
 
 
 class Critic:
@@ -186,7 +201,7 @@ class Critic:
     def before_train(self, step: int, batch: PackedBatch) -> PackedBatch:
         """Keep the batch (values, targets) for the critic's update; whiten advantages if asked."""
         gamma = float(self.ctx.cfg.advantage.knobs.get("gamma", 1.0))
-        batch.returns = value_targets(batch, self.knobs.targets, gamma)
+        batch.returns = value_targets(batch, self.knobs.targets, gamma, self.knobs.lam)
         if batch.returns is None:
             raise ValueError(
                 "inputs.values: the critic trains toward batch.returns, which this run's advantage "

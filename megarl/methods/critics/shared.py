@@ -122,7 +122,7 @@ class SharedValues:
         """The head's targets (``batch.returns``); advantages whitened if asked."""
         from megarl.advantages.estimators import whiten
 
-        batch.returns = self._targets(batch, self.knobs.targets, self.gamma)
+        batch.returns = self._targets(batch, self.knobs.targets, self.gamma, self.knobs.lam)
         if batch.returns is None:
             raise ValueError(
                 "inputs.values: the value head trains toward batch.returns, which this run's advantage "

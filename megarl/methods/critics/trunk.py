@@ -184,7 +184,7 @@ class TrunkCritic:
         from megarl.advantages.estimators import whiten
 
         if not self.knobs.boundaries:
-            batch.returns = self._targets(batch, self.knobs.targets, self.gamma)
+            batch.returns = self._targets(batch, self.knobs.targets, self.gamma, self.knobs.lam)
         if batch.returns is None:
             raise ValueError(
                 "inputs.values: the value head trains toward batch.returns, which this run's advantage "
