@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-INJECTION_KINDS = ("nan", "inf", "fp16", "bf16", "logits", "poison")
+INJECTION_KINDS = ("nan", "inf", "fp16", "bf16", "logits", "poison", "lr")
 EVENT_TYPES = (
     "nonfinite",
     "loss_spike",
     "grad_norm_spike",
+    "update_drift_spike",
     "logprob_gap",
     "entropy_collapse",
     "router_collapse",
@@ -26,9 +27,10 @@ class InjectionConfig:
     """One injected fault, active during the train forward/backward of trainer step ``step``.
 
     kind:
-      - ``nan`` / ``inf``: write NaN / +Inf into the output of module ``target`` (``where: output``)
-        or into the gradient of parameter ``target`` (``where: grad``); ``fraction`` of the elements
-        (at least one), chosen with ``seed``.
+      - ``nan`` / ``inf``: write NaN / +Inf into the output of module ``target`` (``where: output``),
+        into the gradient of parameter ``target`` (``where: grad``), or into the values of parameter
+        ``target`` or of every parameter of module ``target`` for the step (``where: weight``,
+        restored after it); ``fraction`` of the elements (at least one), chosen with ``seed``.
       - ``fp16``: module ``target`` computes in float16 (parameters and inputs cast) and its output and the
         gradient flowing back into it are stored in float16; the gradient is multiplied by
         ``loss_scale`` before the cast and divided after (an emulated static loss scale), so a
@@ -38,18 +40,24 @@ class InjectionConfig:
       - ``poison``: the batch handed to the learner is corrupted: ``field: advantages`` multiplies
         the advantages by ``scale``; ``field: tokens`` replaces ``fraction`` of the response
         tokens with random ids (the logprobs recorded for them no longer match).
+      - ``lr``: a learning-rate spike: the step's optimizer steps use ``scale`` x the scheduled LR.
+
+    ``expert`` (>= 0): ``target`` names a MoE layer (``decoder.layers.0.mlp``) and the fault goes
+    into its routed expert ``expert`` (the global id, 0..E-1), on the expert-parallel rank that
+    holds it only; the other ranks do nothing.
     """
 
-    kind: Literal["nan", "inf", "fp16", "bf16", "logits", "poison"] = "nan"
+    kind: Literal["nan", "inf", "fp16", "bf16", "logits", "poison", "lr"] = "nan"
     step: int = 1
     target: str = ""
-    where: Literal["output", "grad"] = "output"
+    where: Literal["output", "grad", "weight"] = "output"
     fraction: float = 0.0
     loss_scale: float = 1.0
     scale: float = 1.0
     noise: float = 0.0
     field: Literal["advantages", "tokens"] = "advantages"
     seed: int = 0
+    expert: int = -1
 
 
 @dataclass
@@ -102,8 +110,18 @@ def validate_faults(cfg: FaultsConfig) -> None:
                 f"{key}.target is required for kind {inj.kind!r} (a module name such as "
                 f"'decoder.layers.0.mlp', or a parameter name with where: grad)"
             )
-        if inj.where == "grad" and inj.kind not in ("nan", "inf"):
-            raise ValueError(f"{key}.where='grad' is only for kinds 'nan' and 'inf'")
+        if inj.where in ("grad", "weight") and inj.kind not in ("nan", "inf"):
+            raise ValueError(f"{key}.where={inj.where!r} is only for kinds 'nan' and 'inf'")
+        if inj.expert >= 0 and inj.kind not in ("nan", "inf", "fp16", "bf16"):
+            raise ValueError(f"{key}.expert is only for kinds nan, inf, fp16 and bf16 (a module fault)")
+        if inj.expert >= 0 and inj.where == "grad":
+            raise ValueError(
+                f"{key}.expert with where: grad; use where: weight or output (an expert is a module)"
+            )
+        if inj.expert < -1:
+            raise ValueError(f"{key}.expert={inj.expert} must be a routed expert id >= 0 (-1 = none)")
+        if inj.kind == "lr" and inj.scale <= 0:
+            raise ValueError(f"{key}.scale={inj.scale} must be > 0 for an lr spike")
         if not 0.0 <= inj.fraction <= 1.0:
             raise ValueError(f"{key}.fraction={inj.fraction} must be in [0, 1]")
         if inj.loss_scale <= 0:
@@ -147,14 +165,15 @@ FIELD_MEANINGS: dict[str, str] = {
         "normalised router entropy below which a router collapse is reported"
     ),
     "faults.max_dumps": "maximum number of step dumps per run",
-    "faults.inject[].kind": "fault kind (see docs/faults.md): nan, inf, fp16, bf16, logits, poison",
+    "faults.inject[].kind": "fault kind (see docs/faults.md): nan, inf, fp16, bf16, logits, poison, lr",
     "faults.inject[].step": "trainer step during whose forward/backward the fault is active",
-    "faults.inject[].target": "module name (output) or parameter name (where: grad)",
-    "faults.inject[].where": "nan/inf into a module's output or a parameter's gradient",
+    "faults.inject[].target": "module name (output, weight; a MoE layer with expert) or parameter name",
+    "faults.inject[].where": "nan/inf into a module's output, a parameter's gradient or weights (one step)",
     "faults.inject[].fraction": "fraction of elements (nan/inf) or response tokens (poison tokens) hit",
     "faults.inject[].loss_scale": "emulated static loss scale of an fp16 module",
-    "faults.inject[].scale": "logits multiplier (logits) or advantage multiplier (poison advantages)",
+    "faults.inject[].scale": "multiplier of the logits, the advantages (poison) or the learning rate (lr)",
     "faults.inject[].noise": "std of the Gaussian added to the logits (kind logits)",
     "faults.inject[].field": "what a poison corrupts: advantages or tokens",
     "faults.inject[].seed": "seed of the element / token choice",
+    "faults.inject[].expert": "routed expert (global id) of the MoE layer target; -1: the whole target",
 }

@@ -7,7 +7,8 @@ carries their state (saved in step dumps so a replay is judged against the same 
 
 Metric keys read (the trainer's record, docs/trainer.md): ``train/loss``, ``train/grad_norm``,
 ``train/entropy``, ``faults/logprob_gap_first`` (the train/rollout logprob gap of the step's first
-optimizer step, else ``train/train_rollout_logprob_gap``), ``rollout/logprob_gap_old``; router loads
+optimizer step, else ``train/train_rollout_logprob_gap``), ``rollout/logprob_gap_old``, and for the
+update drift ``train/train_rollout_logprob_gap`` minus ``faults/logprob_gap_first``; router loads
 come separately as ``[n_moe_layers, E]`` token counts (megarl.faults.router_stats).
 """
 
@@ -103,6 +104,14 @@ def router_load_stats(counts: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"fractions": f, "imbalance": f.max(-1).values * E, "entropy": ent}
 
 
+def update_drift(rec: dict) -> float | None:
+    """How far the step's later optimizer steps moved the policy from the rollout weights: the
+    step-mean train/rollout logprob gap minus the first optimizer step's (0 with one optimizer
+    step per trainer step); None when the record lacks either."""
+    mean, first = rec.get("train/train_rollout_logprob_gap"), rec.get("faults/logprob_gap_first")
+    return mean - first if _finite(mean) and _finite(first) else None
+
+
 class DetectorSuite:
     """All detectors of one run; ``check`` returns the step's events."""
 
@@ -117,6 +126,13 @@ class DetectorSuite:
             min_abs_std=cfg.spike_min_abs_std,
         )
         self.grad_norm = SpikeDetector(
+            cfg.spike_z,
+            cfg.spike_beta,
+            cfg.spike_warmup,
+            cfg.spike_min_rel_std,
+            min_abs_std=cfg.spike_min_abs_std,
+        )
+        self.drift = SpikeDetector(
             cfg.spike_z,
             cfg.spike_beta,
             cfg.spike_warmup,
@@ -171,6 +187,11 @@ class DetectorSuite:
                         "logprob_gap", step, metric=worst[0], value=worst[1], threshold=c.logprob_gap_max
                     )
                 )
+        drift = update_drift(rec)
+        if drift is not None:
+            hit = self.drift.update(drift)
+            if hit:
+                ev.append(make_event("update_drift_spike", step, **hit))
         ent = rec.get("train/entropy")
         if _finite(ent):
             if self.entropy_baseline is None:
@@ -215,6 +236,7 @@ class DetectorSuite:
         return {
             "loss": self.loss.state_dict(),
             "grad_norm": self.grad_norm.state_dict(),
+            "drift": self.drift.state_dict(),
             "entropy_baseline": self.entropy_baseline,
         }
 
@@ -222,4 +244,6 @@ class DetectorSuite:
         """Restore baselines saved by ``state_dict``."""
         self.loss.load_state_dict(st["loss"])
         self.grad_norm.load_state_dict(st["grad_norm"])
+        if "drift" in st:  # dumps written before this detector existed have no drift baseline
+            self.drift.load_state_dict(st["drift"])
         self.entropy_baseline = st["entropy_baseline"]

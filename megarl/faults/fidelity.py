@@ -115,6 +115,38 @@ def run_cost(recs: list[dict]) -> dict:
     }
 
 
+def cost_figures(orig: dict, proxy: dict, runs: dict) -> dict:
+    """Per run: step and learner time without dump steps (``run_cost``), parameters and peak RSS
+    (from ``runs``, the process facts of megarl.proxy.compare); proxy / original ratios; a note on
+    what the peak includes."""
+    out = {"original": dict(orig), "proxy": dict(proxy)}
+    for name in out:
+        for k in ("params", "peak_rss_mib"):
+            if (runs.get(name) or {}).get(k) is not None:
+                out[name][k] = runs[name][k]
+    out["ratios"] = {
+        k: out["proxy"][k] / out["original"][k]
+        for k in ("step_time_mean_s", "train_time_mean_s", "params", "peak_rss_mib")
+        if isinstance(out["original"].get(k), (int, float))
+        and isinstance(out["proxy"].get(k), (int, float))
+        and out["original"][k]
+    }
+    dumped = {
+        n: out[n]["dump_steps_excluded"] for n in ("original", "proxy") if out[n]["dump_steps_excluded"]
+    }
+    note = "Step and learner times are means over the steps that wrote no dump."
+    if "peak_rss_mib" in out["ratios"]:
+        note += " Peak RSS is the maximum of the whole process (under torchrun: its largest worker)" + (
+            ", dump steps included ("
+            + "; ".join(f"{n}: {', '.join(map(str, v))}" for n, v in dumped.items())
+            + "; a dump adds a copy of the weights): run without faults.dump_* for a figure without them."
+            if dumped
+            else "; no step wrote a dump."
+        )
+    out["note"] = note
+    return out
+
+
 def plot_fidelity(rows: list[dict], out_png: Path) -> Path:
     """Per curve: the two runs over steps (left) and proxy vs original with the y = x line (right)."""
     import matplotlib
@@ -194,7 +226,7 @@ def write_report(
         "divergences": unseen,
         "verdict": verdict(same, unseen),
         "routing_coverage": coverage,
-        "cost": {"original": run_cost(ro), "proxy": run_cost(rp)},
+        "cost": cost_figures(run_cost(ro), run_cost(rp), extra or {}),
         "runs": extra or {},
     }
     png = plot_fidelity(rows, out / "fidelity.png")
@@ -276,11 +308,16 @@ def write_report(
         "",
         "## Cost per step",
         "",
-        "| | original | proxy |",
-        "|---|---|---|",
+        "| | original | proxy | proxy / original |",
+        "|---|---|---|---|",
     ]
-    for k in ("step_time_mean_s", "train_time_mean_s", "dump_steps_excluded"):
-        lines.append(f"| {k} | {_fmt(rep['cost']['original'][k])} | {_fmt(rep['cost']['proxy'][k])} |")
+    cost = rep["cost"]
+    for k in ("step_time_mean_s", "train_time_mean_s", "params", "peak_rss_mib", "dump_steps_excluded"):
+        o, p = cost["original"].get(k), cost["proxy"].get(k)
+        if o is None and p is None:
+            continue
+        lines.append(f"| {k} | {_fmt(o)} | {_fmt(p)} | {_fmt(cost['ratios'].get(k))} |")
+    lines += ["", cost["note"]]
     (out / "fidelity.md").write_text("\n".join(lines) + "\n")
     (out / "fidelity.json").write_text(json.dumps(rep, indent=1))
     return rep

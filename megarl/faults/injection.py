@@ -1,8 +1,14 @@
 """Fault injection into one trainer step: hooks on the learner's megatron-core model, batch poison.
 
 ``Injector.arm(step)`` installs the hooks of the injections scheduled for ``step`` (they act on
-every forward/backward until ``disarm()``); ``Injector.poison(batch, step)`` returns a corrupted
+every forward/backward until ``disarm()``), writes non-finite values into weights (``where:
+weight``, put back by ``disarm()``) and raises the learning rate (``lr``, put back by ``disarm()``
+unless the LR scheduler already moved it on); ``Injector.poison(batch, step)`` returns a corrupted
 copy of the batch for ``poison`` injections. Kinds and knobs: megarl.faults.config.InjectionConfig.
+
+A fault with ``expert: N`` addresses routed expert N of the MoE layer ``target`` by its global id;
+under expert parallelism only the rank whose ``local_expert_indices`` hold N applies it, to its
+local expert module, so the same config means the same expert at any layout.
 
 Precision injections really compute in low precision on any device: the module's parameters are
 swapped for float16 / bfloat16 copies and its inputs cast, so its matmuls, forward and backward,
@@ -95,6 +101,7 @@ class Injector:
         device_type: str = "cpu",
         vocab_size: int = 0,
         check_names: bool = True,
+        optimizer=None,
     ):
         self.model, self.specs, self.device_type, self.vocab_size = (
             model,
@@ -102,18 +109,67 @@ class Injector:
             device_type,
             vocab_size,
         )
+        self.optimizer = optimizer
         self.modules = dict(model.named_modules())
         self.params = dict(model.named_parameters())
         self._handles: list = []
         self._swapped: list = []
+        self._weights: list = []  # (tensor, indices, saved values) written by where: weight
+        self._lrs: list = []  # (param group, scheduled lr, spiked lr)
         if check_names:
             for i, s in enumerate(self.specs):
                 self._check(i, s)
+
+    def expert_module(self, s: InjectionConfig, key: str = "injection") -> str | None:
+        """The name of this rank's module for routed expert ``s.expert`` of the MoE layer
+        ``s.target``, or None when another expert-parallel rank holds it."""
+        layer = self.modules.get(s.target.removesuffix(".experts"))
+        indices = getattr(layer, "local_expert_indices", None)
+        total = getattr(getattr(layer, "config", None), "num_moe_experts", None)
+        if layer is None or indices is None or not total:
+            raise InjectionError(
+                f"{key}.target={s.target!r} with expert={s.expert}: not a MoE layer of the model "
+                "(give the layer's mlp, e.g. 'decoder.layers.0.mlp')"
+            )
+        if s.expert >= total:
+            raise InjectionError(f"{key}.expert={s.expert}: the layer {s.target} has {total} routed experts")
+        if s.expert not in indices:
+            return None
+        base = s.target.removesuffix(".experts")
+        name = f"{base}.experts.local_experts.{list(indices).index(s.expert)}"
+        if name not in self.modules:
+            raise InjectionError(
+                f"{key}.expert={s.expert}: {base}.experts has no local_experts modules "
+                "(a grouped-GEMM expert layer holds all experts in one tensor)"
+            )
+        return name
+
+    def _target(self, s: InjectionConfig) -> str | None:
+        """The module / parameter name the injection acts on here (None: another rank's expert,
+        or a MoE layer another pipeline stage holds)."""
+        if s.expert < 0:
+            return s.target
+        if s.target.removesuffix(".experts") not in self.modules:
+            return None
+        return self.expert_module(s)
 
     def _check(self, i: int, s: InjectionConfig) -> None:
         key = f"faults.inject[{i}]"
         if s.kind == "logits" and "output_layer" not in self.modules:
             return  # not the last pipeline stage
+        if s.kind == "lr":
+            if self.optimizer is None:
+                raise InjectionError(f"{key}: an lr spike needs the learner's optimizer")
+            return
+        if s.expert >= 0:
+            self.expert_module(s, key)
+            return
+        if s.kind in ("nan", "inf") and s.where == "weight":
+            if s.target not in self.params and s.target not in self.modules:
+                raise InjectionError(
+                    f"{key}.target={s.target!r} is neither a parameter nor a module of the model"
+                )
+            return
         if s.kind in ("nan", "inf") and s.where == "grad":
             if s.target not in self.params:
                 near = [n for n in self.params if s.target.split(".")[-1] in n][:5] or list(self.params)[:5]
@@ -133,20 +189,34 @@ class Injector:
         return [s for s in self.specs if s.step == step]
 
     # ------------------------------------------------------------------------------ hooks
-    def arm(self, step: int) -> list[InjectionConfig]:
-        """Install the hooks of ``step``'s injections (poison excluded); returns what was armed."""
+    def arm(self, step: int, apply_lr: bool = True) -> list[InjectionConfig]:
+        """Install the hooks of ``step``'s injections (poison excluded); returns what was armed.
+        ``apply_lr=False``: an ``lr`` spike is reported as armed but the learning rate is left as
+        the caller set it (a replay sets the recorded, already spiked, rate itself)."""
         self.disarm()
         armed = []
         for s in self.active(step):
             if s.kind == "poison":
                 continue
-            if s.kind == "logits":
+            if s.kind == "lr":
+                if apply_lr:
+                    self._spike_lr(s.scale)
+                armed.append(s)
+                continue
+            target = self._target(s)
+            if target is None:
+                armed.append(s)  # another expert-parallel rank holds the expert
+                continue
+            if s.where == "weight":
+                val = float("nan") if s.kind == "nan" else float("inf")
+                self._write_weights(target, val, s.fraction, s.seed)
+            elif s.kind == "logits":
                 mod = self.modules.get("output_layer")
                 if mod is None:
                     continue
                 self._handles.append(mod.register_forward_hook(self._logits_hook(s)))
             elif s.where == "grad":
-                p = self.params.get(s.target)
+                p = self.params.get(target)
                 if p is None:
                     continue
                 val = float("nan") if s.kind == "nan" else float("inf")
@@ -154,7 +224,7 @@ class Injector:
                     p.register_hook(lambda g, s=s, val=val: _write_value(g, val, s.fraction, s.seed))
                 )
             else:
-                mod = self.modules.get(s.target)
+                mod = self.modules.get(target)
                 if mod is None:
                     continue
                 if s.kind in ("nan", "inf"):
@@ -176,6 +246,29 @@ class Injector:
                     )
             armed.append(s)
         return armed
+
+    def _spike_lr(self, scale: float) -> None:
+        """Every param group's learning rate x ``scale`` until ``disarm``."""
+        for g in self.optimizer.param_groups:
+            spiked = g["lr"] * scale
+            self._lrs.append((g, g["lr"], spiked))
+            g["lr"] = spiked
+
+    @torch.no_grad()
+    def _write_weights(self, target: str, value: float, fraction: float, seed: int) -> None:
+        """``value`` into ``fraction`` of the elements of parameter ``target`` or of each parameter
+        of module ``target`` (in place; the old values are kept for ``disarm``)."""
+        if target in self.params:
+            tensors = [self.params[target]]
+        else:
+            tensors = [p for p in self.modules[target].parameters() if p.is_floating_point()]
+        for p in tensors:
+            if not p.data.is_contiguous():
+                raise InjectionError(f"where: weight: a parameter of {target} is not contiguous")
+            flat = p.data.view(-1)
+            idx = _pick(flat.numel(), fraction, seed).to(flat.device)
+            self._weights.append((flat, idx, flat[idx].clone()))
+            flat[idx] = value
 
     def _logits_hook(self, s: InjectionConfig):
         def hook(module, args, output):
@@ -231,6 +324,14 @@ class Injector:
         while self._swapped:  # a forward that raised inside an armed module: parameters back
             for owner, name, p in self._swapped.pop():
                 owner._parameters[name] = p
+        with torch.no_grad():
+            for flat, idx, old in reversed(self._weights):
+                flat[idx] = old
+        self._weights = []
+        for g, scheduled, spiked in reversed(self._lrs):
+            if g["lr"] == spiked:  # the scheduler has not moved on (e.g. a skipped update)
+                g["lr"] = scheduled
+        self._lrs = []
 
     # ------------------------------------------------------------------------------ batch
     def poison(self, batch: PackedBatch, step: int) -> tuple[PackedBatch, list[InjectionConfig]]:

@@ -76,7 +76,11 @@ class FaultMonitor:
             NonFiniteGuard(learner).install() if cfg.detect and cfg.detectors.skip_nonfinite else None
         )
         self.injector = Injector(
-            learner.model, cfg.inject, device_type=groups.device.type, vocab_size=spec.vocab_size
+            learner.model,
+            cfg.inject,
+            device_type=groups.device.type,
+            vocab_size=spec.vocab_size,
+            optimizer=learner.optimizer,
         )
         self.router = (
             RouterLoadCounter(learner.model, spec.moe_layers, spec.num_experts)

@@ -338,6 +338,18 @@ def main(argv: list[str] | None = None) -> int:
     ev = rep["events"]
     print(f"  fault events: original {ev['original'] or 'none'}; proxy {ev['proxy'] or 'none'}")
     print(f"  verdict: {rep['verdict']}")
+    if rep.get("routing_coverage"):
+        cov = rep["routing_coverage"]
+        print(
+            f"  proxy routing (prune report): routing mass kept {cov.get('routing_mass_covered')}, "
+            f"tokens with all experts kept {cov.get('tokens_fully_covered')}"
+        )
+    ratios = rep["cost"]["ratios"]
+    print(
+        "  cost, proxy / original: "
+        + ", ".join(f"{k} {v:.3g}" for k, v in ratios.items())
+        + f" ({rep['cost']['note']})"
+    )
     print(f"report: {Path(a.out) / 'fidelity.md'}")
     return 0
 

@@ -101,6 +101,14 @@ def backbone_note(dump_dir: str, meta: dict, model_dir: str) -> str | None:
     return None
 
 
+def replay_lr(recorded_lr: float, recorded: list, step: int, inject: bool) -> float:
+    """The learning rate a replayed optimizer step uses: the recorded one, which holds the step's
+    ``lr`` spike; without re-injection, the scheduled rate under it (recorded / the spike's scale)."""
+    if inject:
+        return recorded_lr
+    return recorded_lr / math.prod(s.scale for s in recorded if s.kind == "lr" and s.step == step)
+
+
 def full_state_dir(dump_dir: str, meta: dict) -> str | None:
     """The learner checkpoint holding the state before the dumped step: the dump's own
     ``learner/``, else the run checkpoint of the previous step if it still exists."""
@@ -188,9 +196,21 @@ def replay_dump(
         suite.load_state_dict(state["detectors"])
     guard = NonFiniteGuard(learner).install() if dcfg.skip_nonfinite else None
     recorded = [injection_from_dict(d, "dump injections") for d in meta.get("injections", [])]
+    if inject and model_dir is not None:
+        from megarl.proxy.expert_map import ExpertMapError, map_expert_injections
+
+        try:
+            recorded, mapped = map_expert_injections(recorded, model)
+        except ExpertMapError as e:
+            raise DumpError(f"the dump's injection cannot be applied on {model}: {e}") from None
+        notes += mapped
     try:
         injector = Injector(
-            learner.model, recorded if inject else [], groups.device.type, learner.spec.vocab_size
+            learner.model,
+            recorded if inject else [],
+            groups.device.type,
+            learner.spec.vocab_size,
+            optimizer=learner.optimizer,
         )
     except InjectionError as e:
         # e.g. a fault in a routed expert the proxy pruned away: say so instead of replaying without it
@@ -220,8 +240,8 @@ def replay_dump(
         )
         if recorded_lr is not None:
             for g in learner.optimizer.param_groups:
-                g["lr"] = float(recorded_lr)
-        armed += [s.kind for s in injector.arm(step) if s.kind not in armed]
+                g["lr"] = replay_lr(float(recorded_lr), recorded, step, inject)
+        armed += [s.kind for s in injector.arm(step, apply_lr=recorded_lr is None) if s.kind not in armed]
         try:
             m = learner.train_step(b["batch"], objective, b["num_micro_batches"], b["normalisers"])
         finally:

@@ -53,21 +53,25 @@ def test_compare_runs_both_models_under_torchrun_at_ep2(tmp_path):
 
     orig = make_moe_dir(tmp_path / "orig")
     proxy = slice_experts(orig, tmp_path / "proxy", [0, 2, 4, 6])
+    # NaN in the weights of routed expert 6 for step 2: held by EP rank 1 of the original (experts
+    # 4-7) and, as proxy expert 3, by EP rank 1 of the proxy (experts 2-3); the other rank does nothing
+    fault = "faults.inject=[{kind: nan, where: weight, target: decoder.layers.0.mlp, expert: %d, step: 2}]"
     rep = run_compare(
         str(RECIPE),
         str(orig),
         str(proxy),
-        2,
+        3,
         str(tmp_path / "cmp"),
         [
             *data(tmp_path),
             "parallel.ep=2",
             "faults.dump_steps=[2]",
             "faults.dump_learner_state=false",
-            "faults.inject=[{kind: nan, target: decoder.layers.0.mlp, step: 2}]",
+            fault % 6,
         ],
         nproc_per_node=2,
         parallel=True,
+        proxy_overrides=[fault % 3],
     )
     for name in ("original", "proxy"):
         assert rep["runs"][name]["nproc_per_node"] == 2
@@ -75,4 +79,8 @@ def test_compare_runs_both_models_under_torchrun_at_ep2(tmp_path):
             "layout"
         ]
         assert lay["world_size"] == 2 and lay["ep"] == 2, lay
-    assert rep["events"]["original"] == [(2, "nonfinite")] and rep["events"]["same_types_per_step"]
+    for name in ("original", "proxy"):
+        assert rep["events"][name] == [(2, "nonfinite")], rep["events"]
+        # the weights came back after step 2: step 3 trains normally
+        last = json.loads((tmp_path / "cmp" / name / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["step"] == 3 and last["train/update_successful"] == 1.0, last

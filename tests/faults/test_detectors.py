@@ -145,3 +145,21 @@ def test_absolute_std_floor_ignores_float_noise_of_a_zero_loss():
         assert s.check(i, {"train/loss": x}) == []
     assert s.check(6, {"train/loss": -4.4e-7}) == []  # z = 40 against the noise, 0.004 against the floor
     assert types(s.check(7, {"train/loss": 0.05})) == ["loss_spike"]
+
+
+def test_update_drift_spike_flags_an_over_large_update_within_a_step():
+    """The figures of benchmarks/proxy_savings.py's original run (2 optimizer steps per trainer
+    step): the step-mean train/rollout gap beyond the first update's is ~0.02, and 0.65 in the
+    step whose learning rate was 1000x (the loss moved by 0.006 only: PPO's clipping bounds it)."""
+    s = DetectorSuite(DetectorConfig())
+    steps = [(0.0303, 2.2e-7), (0.0186, 1.6e-7), (0.0168, 1.6e-7), (0.180, 0.156), (0.0196, 1.8e-7)]
+    for i, (mean, first) in enumerate(steps, 1):
+        rec = {"train/train_rollout_logprob_gap": mean, "faults/logprob_gap_first": first}
+        assert "update_drift_spike" not in types(s.check(i, rec)), i  # the poison at 4: its first gap
+    ev = s.check(8, {"train/train_rollout_logprob_gap": 0.6498, "faults/logprob_gap_first": 2.4e-7})
+    assert types(ev) == ["update_drift_spike"] and ev[0]["detail"]["z"] > 6
+    # one optimizer step per trainer step: the step mean is the first update's gap, no drift at all
+    one = DetectorSuite(DetectorConfig())
+    for i, g in enumerate((0.01, 0.02, 0.01, 0.02, 0.5), 1):
+        rec = {"train/train_rollout_logprob_gap": g, "faults/logprob_gap_first": g}
+        assert "update_drift_spike" not in types(one.check(i, rec))

@@ -50,7 +50,10 @@ def report(tmp_path: Path) -> dict:
         write_run(tmp_path / "o", False),
         write_run(tmp_path / "p", True),
         tmp_path / "out",
-        extra={"original": {"model": str(tmp_path / "x")}, "proxy": {"model": str(proxy_model)}},
+        extra={
+            "original": {"model": str(tmp_path / "x"), "params": 1000, "peak_rss_mib": 800.0},
+            "proxy": {"model": str(proxy_model), "params": 250, "peak_rss_mib": 200.0},
+        },
     )
 
 
@@ -88,3 +91,14 @@ def test_cost_leaves_out_dump_steps(tmp_path):
     assert c["dump_steps_excluded"] == [9]
     assert c["step_time_mean_s"] == 2.0 and c["steps"] == 11
     assert rep["cost"]["proxy"]["step_time_mean_s"] == 1.0
+    # parameters and peak memory next to the times, as proxy / original ratios; the peak is the
+    # whole process's, so the report says that it includes the dump steps
+    assert rep["cost"]["ratios"] == {
+        "step_time_mean_s": 0.5,
+        "train_time_mean_s": 0.5,
+        "params": 0.25,
+        "peak_rss_mib": 0.25,
+    }
+    assert "dump steps included (original: 9; proxy: 9" in rep["cost"]["note"]
+    md = (tmp_path / "out" / "fidelity.md").read_text()
+    assert "| peak_rss_mib | 800 | 200 | 0.25 |" in md and "| params | 1000 | 250 | 0.25 |" in md

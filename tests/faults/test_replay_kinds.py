@@ -1,8 +1,9 @@
 """Replay keeps every injected fault kind on a proxy.
 
-One 10-step run of tests/faults/recipe.yaml on the tiny Qwen3-MoE (8 experts, top-2) injects one
+One 11-step run of tests/faults/recipe.yaml on the tiny Qwen3-MoE (8 experts, top-2) injects one
 fault kind per step from step 4 on (token poison, advantage poison, NaN output, Inf gradient, fp16
-loss-scale overflow, bfloat16 attention, scaled logits) and dumps every one of those steps. Each
+loss-scale overflow, bfloat16 attention, scaled logits, NaN weights of routed expert 6) and dumps
+every one of those steps. Each
 dump is replayed with the default options on a proxy made from the dump's own pre-step weights
 (4 of the 8 experts kept bit-exactly, the documented route); the replay must fire the recorded
 event types, and its list of re-applied injections must be what it really applied.
@@ -33,7 +34,13 @@ KINDS = {
     8: ("fp16", "{kind: fp16, target: decoder.layers.1.mlp, step: 8, loss_scale: 1.0e+9}"),
     9: ("bf16", "{kind: bf16, target: decoder.layers.0.self_attention, step: 9}"),
     10: ("logits", "{kind: logits, scale: 3.0, step: 10}"),
+    # routed expert 6 (of 8) by its global id: the proxy keeps it as expert 3 (its prune report says)
+    11: (
+        "nan",
+        "{kind: nan, where: weight, target: decoder.layers.0.mlp, expert: 6, fraction: 0.01, step: 11}",
+    ),
 }
+KEPT = [0, 2, 4, 6]
 
 SCRIPT = (
     "import json, sys\n"
@@ -74,7 +81,7 @@ def run(tmp_path_factory):
             str(RECIPE),
             f"model.hf_dir={orig}",
             f"logging.run_dir={tmp / 'run'}",
-            "schedule.steps=10",
+            f"schedule.steps={max(KINDS)}",
             f"data.train={tmp / 'train.jsonl'}",
             f"data.eval={tmp / 'eval.jsonl'}",
             inject,
@@ -122,7 +129,10 @@ def reports(run):
     jobs = []
     for step in KINDS:
         d = dumps / f"step_{step:06d}"
-        proxy = slice_experts(d / "weights", run / f"proxy_{step}", [0, 2, 4, 6])
+        proxy = slice_experts(d / "weights", run / f"proxy_{step}", KEPT)
+        layer0 = {"layer": 0, "kept": KEPT, "clusters": [[e, e + 1] for e in KEPT]}
+        layer0["new_index"] = {str(e): j for j, e in enumerate(KEPT)}
+        (proxy / "proxy_report.json").write_text(json.dumps({"layers": [layer0]}))
         jobs.append((str(d), str(proxy), True))
     tok = dumps / "step_000004"
     jobs += [(str(tok), "", True), (str(tok), "", False)]
@@ -166,6 +176,10 @@ def test_every_injected_kind_replays_with_its_recorded_event_on_a_proxy(reports)
         assert rep["injections"] == [kind], (step, rep["injections"])
         assert rep["injections_in_batch"] == [], (step, rep)
         assert not any("pre-step backbone" in n for n in rep["notes"]), rep["notes"]
+    # the fault in original expert 6 goes into the proxy's expert 3, the same weights
+    assert any(
+        "expert 6 of decoder.layers.0.mlp injected into proxy expert 3" in n for n in reps[-1]["notes"]
+    )
     # the token poison is put back on the dump's clean batch after the proxy's own old logprobs
     tokens = reps[0]
     assert any("clean batch" in n for n in tokens["notes"]), tokens["notes"]
