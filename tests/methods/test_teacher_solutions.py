@@ -180,3 +180,18 @@ def test_the_runtime_calls_extenders_and_copies_their_extras():
         "rstg/teacher_sampled": 0.0,
         "rstg/teacher_verified": 0.0,
     }
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.data())
+def test_measured_teacher_accuracy_matches_the_reference(groups, k, data):
+    """SKALD's measured accuracy of an external teacher: per group, the fraction of its k samples
+    the reward verifies (reference skald_card_accuracy, the same formula as the card-reading one)."""
+    from megarl.methods.distillation.teacher_solutions import group_accuracy
+
+    rewards = torch.tensor(
+        data.draw(st.lists(st.sampled_from([0.0, 0.4, 1.0]), min_size=groups * k, max_size=groups * k))
+    )
+    got = group_accuracy([g for g in range(groups) for _ in range(k)], verified(rewards, 0.5))
+    want = rd.skald_card_accuracy(rewards.view(groups, k), 0.5)
+    assert [got[g] for g in range(groups)] == want.tolist()

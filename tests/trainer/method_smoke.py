@@ -72,6 +72,8 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0, "solutions": 2}}},  # a 2-solution mixture
     # the smoke policy reads no card correctly in 2 steps: a negative margin opens SKALD's
     # teacher-advantage gate, so that the tilted term toward the card-reading self-teacher trains
+    # SKALD measures its external teacher's accuracy per prompt (sampled from the teacher)
+    "skald": {"method": {"teacher_samples": 2}},
     "skald-cards": {
         "objective": {
             "regularisers": [{"name": "skald_self", "coef": 1.0, "gate": "teacher_advantage", "margin": -0.5}]

@@ -256,6 +256,11 @@ def check_signal(name: str, r: dict) -> None:
         assert any(x > 0 for x in _any(r, "train/reg/skald_self")), r["steps"]  # the gate opened
     elif name == "skald":  # the teacher's full logits reached the tilted term every step
         assert len(_any(r, "train/reg/skald")) == STEPS
+        # the smoke measures the teacher's accuracy on every prompt (2 samples each): dense through
+        # an embedded MoE teacher, MoE through its own engine holding the teacher
+        acc, sampled = _any(r, "skald/teacher_acc"), _any(r, "skald/teacher_sampled")
+        assert len(acc) == STEPS and all(0 <= a <= 1 for a in acc) and sampled == [8.0] * STEPS
+        assert _any(r, "skald/run_engine_swap") == [float(r["model"] == "moe")] * STEPS
     elif name == "clip-cov":  # the draw counter of the covariance selection is checkpointed
         assert st["objective"] == ["policy_loss"], st
         assert len(_any(r, "train/clip_cov/selected_frac")) == STEPS

@@ -15,8 +15,9 @@ in ``prepare``:
 
 - ``teacher_advantage``: open when Â_T = acc(teacher-context rollouts) − acc(student rollouts) >
   ``margin``; the teacher's accuracy per sample's prompt comes in ``extras['teacher_acc']`` [B],
-  measured by the method (``method.teacher_samples`` > 0 with the skill-card self-teacher:
-  rollouts of the policy reading the card, megarl/methods/distillation/skill_cards.py) or given;
+  measured by the method (``method.teacher_samples`` > 0: rollouts of the policy reading the skill
+  card with ``skald_self``, megarl/methods/distillation/skill_cards.py; rollouts of the external
+  teacher with ``skald`` / ``skald_topk``, megarl/methods/distillation/teacher_solutions.py) or given;
 - ``zero_variance``: open on groups whose rewards are all equal (no GRPO signal);
 - ``always``.
 
@@ -179,9 +180,10 @@ REGULARISERS.add("skald_self", skald, PartInfo(batch_inputs=("self_teacher_logit
 
 @dataclass
 class SkaldKnobs(Knobs):
-    """``teacher_samples``: rollouts of the policy reading each prompt's skill card, per prompt and
-    round, whose accuracy is ``extras['teacher_acc']`` (the ``teacher_advantage`` gate's teacher
-    accuracy; 0: none measured, the gate then needs ``teacher_acc`` from elsewhere)."""
+    """``teacher_samples``: the teacher's rollouts per prompt (the policy reading the skill card with
+    ``skald_self``, the external teacher with ``skald`` / ``skald_topk``), whose accuracy is
+    ``extras['teacher_acc']`` (the ``teacher_advantage`` gate's teacher accuracy; 0: none measured,
+    the gate then needs ``teacher_acc`` from elsewhere)."""
 
     teacher_samples: int = 0
 
@@ -192,28 +194,56 @@ class SkaldKnobs(Knobs):
 
 
 def build(ctx, knobs: SkaldKnobs) -> MethodParts:
-    """With ``method.teacher_samples`` > 0: the round processor (rank 0) measuring the skill-card
-    self-teacher's accuracy per prompt (needs ``inputs.self_teacher_context`` with ``source:
-    skill_card``)."""
+    """With ``method.teacher_samples`` > 0, the part that measures the teacher's accuracy per
+    prompt into ``extras['teacher_acc']``: with ``skald_self`` (the skill-card self-teacher) a round
+    processor sampling the policy reading the card (rank 0; ``inputs.self_teacher_context`` with
+    ``source: skill_card``); with ``skald`` / ``skald_topk`` (an external teacher) a step hook
+    sampling the teacher itself (megarl/methods/distillation/teacher_solutions.py, nothing appended)."""
     if knobs.teacher_samples == 0:
         return MethodParts()
+    cfg = ctx.cfg
+    regs = [r for r in cfg.objective.regularisers if r["name"] in ("skald", "skald_topk", "skald_self")]
+    thr = float(regs[0].get("correct_threshold", 0.5)) if regs else 0.5
+    if not any(r["name"] == "skald_self" for r in regs):
+        return MethodParts(step_hooks=[_external_accuracy(ctx, knobs.teacher_samples, thr)])
     from megarl.methods.distillation.self_teacher import CONTEXT, ContextKnobs
     from megarl.methods.distillation.skill_cards import CardAccuracy, CardTexts, read_cards
     from megarl.plugin.knobs import build_knobs
 
-    cfg = ctx.cfg
     ck = build_knobs(ContextKnobs, dict(cfg.inputs.get(CONTEXT) or {}), f"inputs.{CONTEXT}")
     if ck.source != "skill_card":
         raise ValueError(
-            f"method skald: method.teacher_samples={knobs.teacher_samples} measures the skill-card "
-            f"self-teacher's accuracy: set inputs.{CONTEXT}.source: skill_card and its cards file"
+            f"method skald: method.teacher_samples={knobs.teacher_samples} with skald_self measures the "
+            f"skill-card self-teacher's accuracy: set inputs.{CONTEXT}.source: skill_card and its cards file"
         )
     if not ctx.rank0:
         return MethodParts()
-    thr = [float(r.get("correct_threshold", 0.5)) for r in cfg.objective.regularisers if "skald" in r["name"]]
     texts = CardTexts(read_cards(ck.cards), ctx.dataset)
-    proc = CardAccuracy(ctx, texts, ck.template, knobs.teacher_samples, thr[0] if thr else 0.5)
-    return MethodParts(round_processors=[proc])
+    return MethodParts(round_processors=[CardAccuracy(ctx, texts, ck.template, knobs.teacher_samples, thr)])
+
+
+def _external_accuracy(ctx, samples: int, threshold: float):
+    """The step hook measuring an external teacher's accuracy on every prompt of the step."""
+    from megarl.methods.distillation.teacher_solutions import TeacherSolutions
+    from megarl.plugin.core_inputs import teacher_hf_config
+
+    cfg = ctx.cfg
+    if cfg.async_loop.enabled:
+        raise ValueError(
+            "method skald: method.teacher_samples > 0 with an external teacher samples it within the "
+            "step: set async_loop.enabled: false"
+        )
+    teacher_hf = teacher_hf_config(cfg, ctx.hf_config) if cfg.teacher.source != "engine" else None
+    return TeacherSolutions(
+        ctx,
+        lambda b: torch.ones(b.num_seqs, dtype=torch.bool),
+        samples,
+        threshold,
+        "skald",
+        teacher_hf,
+        acc_key=TEACHER_ACC,
+        append=False,
+    )
 
 
 SPEC = MethodSpec(

@@ -102,6 +102,17 @@ def verified(rewards: torch.Tensor, threshold: float) -> list[int]:
     return [k for k, v in enumerate(rewards.tolist()) if v > threshold]
 
 
+def group_accuracy(groups: list[int], keep: list[int]) -> dict[int, float]:
+    """Group id -> the fraction of its samples (``groups[k]``: sample k's group) that are kept."""
+    n: dict[int, int] = {}
+    hit: dict[int, int] = {}
+    kept = set(keep)
+    for k, g in enumerate(groups):
+        n[g] = n.get(g, 0) + 1
+        hit[g] = hit.get(g, 0) + (k in kept)
+    return {g: hit[g] / n[g] for g in n}
+
+
 @dataclass
 class Solutions:
     """Verified teacher samples (plain lists, broadcast from rank 0); ``source``: the batch index
@@ -114,6 +125,7 @@ class Solutions:
     rewards: list[float] = field(default_factory=list)
     dims: dict[str, list[float]] = field(default_factory=dict)
     sampled: int = 0
+    accuracy: dict[int, float] = field(default_factory=dict)  # group id -> verified fraction
 
 
 def append_solutions(
@@ -200,7 +212,9 @@ class TeacherSolutions:
     ``rows_key`` flags); a solution is kept when its reward exceeds ``correct_threshold``;
     ``prefix``: the metrics' prefix; ``rows_key``: when set, ``extras[rows_key]`` is 1 on the
     selected sequences (0 on the rest and on the solutions): the rows the teacher's logprobs are
-    needed on (``inputs.teacher_logprobs.rows``)."""
+    needed on (``inputs.teacher_logprobs.rows``); ``acc_key``: when set, ``extras[acc_key]`` is the
+    verified fraction of the teacher's samples of the sequence's group (0 where none were
+    sampled); ``append``: False keeps the batch as it is (the samples only measure the teacher)."""
 
     def __init__(
         self,
@@ -211,9 +225,12 @@ class TeacherSolutions:
         prefix: str,
         teacher_hf: dict | None,
         rows_key: str = "",
+        acc_key: str = "",
+        append: bool = True,
     ):
         self.ctx, self.select, self.samples = ctx, select, samples
         self.threshold, self.prefix, self.rows_key = correct_threshold, prefix, rows_key
+        self.acc_key, self.append = acc_key, append
         self.kind = sampler_kind(ctx.cfg, teacher_hf, ctx.hf_config) if samples > 0 else "none"
         self._engines: list | None = None
         self._metrics: dict[str, float] = {}
@@ -262,6 +279,7 @@ class TeacherSolutions:
         res = ctx.score(texts, [info.answers[i] for i in source])
         keep = verified(res.scalar, self.threshold)
         return Solutions(
+            accuracy=group_accuracy([int(batch.group_ids[i]) for i in source], keep),
             source=[source[k] for k in keep],
             responses=[list(samples[k].token_ids) for k in keep],
             logprobs=[list(samples[k].logprobs) for k in keep],
@@ -291,7 +309,13 @@ class TeacherSolutions:
             f"{p}/teacher_sampled": float(sol.sampled),
             f"{p}/teacher_verified": float(len(sol.source)),
         }
+        if not self.append:
+            sol = Solutions(sampled=sol.sampled, accuracy=sol.accuracy)
         out, out_info = append_solutions(batch, info, sol, step)
+        if self.acc_key:
+            acc = [sol.accuracy.get(g, 0.0) for g in batch.group_ids.tolist()]
+            out_info.extras[self.acc_key] = acc + [0.0] * (out.num_seqs - batch.num_seqs)
+            self._metrics[f"{p}/teacher_acc"] = sum(sol.accuracy.values()) / max(1, len(sol.accuracy))
         if self.rows_key:
             rows = torch.zeros(out.num_seqs, dtype=torch.float64)
             rows[: batch.num_seqs] = selected.double()
