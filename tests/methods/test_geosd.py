@@ -90,7 +90,7 @@ NAT_CFGS = st.builds(
 )
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     case=rl_cases(torch.float64, cfgs=NAT_CFGS, vocab_sizes=(4, 8, 12)),
     tp=st.sampled_from([1, 2]),

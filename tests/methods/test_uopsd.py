@@ -272,7 +272,7 @@ def test_example_and_spec():
     assert SPEC.config["inputs"]["routes"]["rule"] == "uopsd"
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     st.lists(st.tuples(st.sampled_from(["1", "2"]), st.integers(0, 3)), min_size=2, max_size=6),
     st.sampled_from([0.0, 0.5]),
