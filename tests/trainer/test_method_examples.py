@@ -176,6 +176,9 @@ def check_signal(name: str, r: dict) -> None:
     elif name in ("ppo-critic", "ppo-or"):  # the critic filled the values GAE read and trained in the step
         assert len(_any(r, "critic/value_loss")) == STEPS and len(_any(r, "critic/values_old")) == STEPS
         assert st["method"]["step_hooks"] == [[]], st  # its state is sharded (hook_0/ in checkpoints)
+    elif name == "sao":  # one rollout per prompt, the critic's warm-up (step 1), then the strict clip
+        assert _any(r, "critic/warmup") == [1.0, 0.0] and len(_any(r, "critic/value_loss")) == STEPS
+        assert len(_any(r, "train/sao_clip/out_of_band_frac")) == 1, r["steps"]
     elif name == "ppo-shared":  # the policy's own value head: V_old from it, trained in the policy's step
         assert len(_any(r, "train/reg/value_head")) == STEPS and not _any(r, "critic/value_loss"), r["steps"]
         assert _any(r, "critic/values_old")[0] == 0.0 and _any(r, "critic/values_old")[1] != 0.0, r["steps"]
@@ -274,7 +277,6 @@ def check_signal(name: str, r: dict) -> None:
             "trajval": "trajval/reverse/prompts",  # the prior chose the step's prompts
             "mass": "mass/selected",  # the steps drew from the selection
             "estr": "train/estr/masked_frac",
-            "sao": "train/sao_clip/out_of_band_frac",
             "output-reset": "train/output_reset/residual",
             "gmpo": "train/gmpo/clipped_frac",
             "kl-cov": "train/kl_cov/selected_frac",
