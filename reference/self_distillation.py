@@ -267,5 +267,7 @@ def uopsd_select_many(answers: list, lengths: list, min_vote: float, m: int) -> 
 
 def mixture_logprobs(per_solution: torch.Tensor) -> torch.Tensor:
     """The teacher's logprob of each token under the mixture of its self-conditioned distributions:
-    per_solution [c, L] (one row per solution read) -> [L] log((1/c) Σ_j exp(row_j))."""
-    return torch.logsumexp(per_solution.double(), 0) - torch.log(torch.tensor(float(per_solution.shape[0])))
+    per_solution [c, ...] (one row per solution read: [c, L] logprobs or [c, L, V] log-probabilities)
+    -> [...] log((1/c) Σ_j exp(row_j))."""
+    n = torch.tensor(float(per_solution.shape[0]), dtype=torch.float64)
+    return torch.logsumexp(per_solution.double(), 0) - torch.log(n)

@@ -311,7 +311,8 @@ def test_several_solutions_follow_the_reference_selection(samples, min_vote, m):
 def test_the_teacher_is_the_mixture_of_the_solutions_read():
     """Two blocks: the self-teacher's logprob of every response token is log of the mean of the
     two self-conditioned probabilities (reference mixture_logprobs), one where only one solution
-    exists, 0 and off without any."""
+    exists, 0 and off without any; its full distribution (self_teacher_logits) is the mixture of
+    the two self-conditioned distributions, consistent with the logprobs at the sampled tokens."""
 
     b = build_batch(
         [3, 2, 4], [4, 5, 2], [0, 0, 1], [False] * 11, V, torch.Generator().manual_seed(3), torch.float64
@@ -336,6 +337,25 @@ def test_the_teacher_is_the_mixture_of_the_solutions_read():
     )
     assert bool((b.self_teacher_logprobs[cu[1] : cu[2]] == 0).all())
     assert b.extras["self_teacher_on"].tolist() == [1.0, 0.0, 1.0]
+    # the full distributions (self_teacher_logits, for uopsd_kl): the mixture's log-probabilities
+    b.extras.pop("self_teacher_on")
+    SelfTeacher(model, TeacherKnobs(), frozenset({"self_teacher_logprobs", "self_teacher_logits"})).fill(b, 2)
+    mix = b.token_extras.pop("teacher_logits")
+
+    def conditioned_logits(i, ctx):
+        p, seq = int(b.prompt_lens[i]), b.tokens[cu[i] : cu[i + 1]].tolist()
+        return torch.log_softmax(model.logits(seq[:p] + ctx + seq[p:])[p + len(ctx) :], -1)
+
+    p0, p2 = int(b.prompt_lens[0]), int(b.prompt_lens[2])
+    want = ref.mixture_logprobs(
+        torch.stack([conditioned_logits(0, [4, 7]), conditioned_logits(0, [1, 2, 3])])
+    )
+    torch.testing.assert_close(mix[cu[0] + p0 : cu[1]], want, rtol=0, atol=1e-9)
+    torch.testing.assert_close(mix[cu[2] + p2 : cu[3]], conditioned_logits(2, [5, 6]), rtol=0, atol=1e-9)
+    assert bool((mix[cu[1] : cu[2]] == 0).all())
+    toks = b.tokens[cu[0] + p0 : cu[1]]
+    at = mix[cu[0] + p0 : cu[1]].gather(-1, toks[:, None])[:, 0]  # the sampled tokens: the logprobs above
+    torch.testing.assert_close(at.float(), b.self_teacher_logprobs[cu[0] + p0 : cu[1]], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="solutions=2"):
         SelfTeacher(model, TeacherKnobs(forward="all")).fill(b, 1)
     with pytest.raises(ValueError, match="solutions=2: >= 1, and > 1 only with source sibling or majority"):

@@ -41,7 +41,12 @@ import torch
 
 from megarl.batch import PackedBatch
 from megarl.methods.critics.privileged import context_row, privileged_batch
-from megarl.methods.distillation.solution_mixture import BLOCKS, choose_context_sets, mixture_logprobs
+from megarl.methods.distillation.solution_mixture import (
+    BLOCKS,
+    choose_context_sets,
+    mixture_logits,
+    mixture_logprobs,
+)
 from megarl.plugin.inputs import InputProvider, register_provider
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.rounds import RolloutRound, RoundResult
@@ -323,6 +328,14 @@ class SelfTeacher:
         self.policy, self.knobs, self.names = policy, knobs, names
         self.needs_inputs: tuple[str, ...] = (CONTEXT,)  # the round input it reads
 
+    @staticmethod
+    def _check_logits_slot(batch: PackedBatch) -> None:
+        if "teacher_logits" in batch.token_extras:
+            raise ValueError(
+                f"{LOGITS}: the batch already carries a teacher's logits "
+                "(token_extras['teacher_logits']); a run distils from one full-vocabulary teacher"
+            )
+
     def fill(self, batch: PackedBatch, micro_batches: int) -> dict[str, float]:
         """In place (collective); the fraction of sequences forwarded with a context."""
         rows = context_rows(batch)
@@ -330,10 +343,9 @@ class SelfTeacher:
         if (
             m > 1
         ):  # several solutions per target: their mixture (megarl/methods/distillation/solution_mixture.py)
-            if LOGITS in self.names or self.knobs.forward != "with_context":
+            if self.knobs.forward != "with_context":
                 raise ValueError(
-                    f"inputs.{CONTEXT}.solutions={m}: the mixture teacher gives {LOGPROBS} with forward: "
-                    f"with_context only ({LOGITS}: one solution per target)"
+                    f"inputs.{CONTEXT}.solutions={m}: the mixture teacher needs forward: with_context"
                 )
 
             def one(b, block, micro):
@@ -343,6 +355,17 @@ class SelfTeacher:
             has = count > 0
             batch.self_teacher_logprobs = lp
             batch.extras[ON] = has.to(torch.float64)
+            if LOGITS in self.names:
+                self._check_logits_slot(batch)
+                g = getattr(self.policy, "groups", None)
+                tp = g.tp if g is not None and g.layout.tp > 1 else None
+
+                def block_logits(b, block, micro):
+                    return self_teacher_logits(self.policy, b, block, micro, "with_context")
+
+                mix = mixture_logits(block_logits, batch, rows, m, micro_batches, tp)
+                if mix is not None:
+                    batch.token_extras["teacher_logits"] = mix
             return {
                 "self_teacher/forwarded_frac": float(has.double().mean()) if has.numel() else 0.0,
                 "self_teacher/solutions_mean": float(count[has].double().mean()) if bool(has.any()) else 0.0,
@@ -351,11 +374,7 @@ class SelfTeacher:
         batch.self_teacher_logprobs = lp
         batch.extras[ON] = has.to(torch.float64)
         if LOGITS in self.names:
-            if "teacher_logits" in batch.token_extras:
-                raise ValueError(
-                    f"{LOGITS}: the batch already carries a teacher's logits "
-                    "(token_extras['teacher_logits']); a run distils from one full-vocabulary teacher"
-                )
+            self._check_logits_slot(batch)
             logits = self_teacher_logits(self.policy, batch, rows, micro_batches, self.knobs.forward)
             if logits is not None:
                 batch.token_extras["teacher_logits"] = logits

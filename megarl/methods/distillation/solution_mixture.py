@@ -68,3 +68,32 @@ def mixture_logprobs(
     neg = torch.full_like(lp, float("-inf"))
     mix = torch.logsumexp(torch.where(on_tok, lp, neg), 0) - torch.log(count.clamp(min=1).double())[seq]
     return torch.where(count[seq] > 0, mix, torch.zeros_like(mix)).float(), count
+
+
+def mixture_logits(
+    logits_of: Any, batch: PackedBatch, rows: torch.Tensor, m: int, micro_batches: int, tp_group: Any = None
+) -> torch.Tensor | None:
+    """This rank's vocab shard [T, V/tp] of the mixture's log-probabilities, log((1/c) Σ_j
+    softmax(z_j)), over each sequence's available solutions (usable as logits: already
+    normalised), 0 where a sequence has none; None off the last pipeline stage or with no
+    solution at all. ``logits_of(batch, block_rows, micro_batches)`` -> a block's aligned logits
+    [T, V/tp] or None (collective)."""
+    from megarl.ops.vocab_parallel import vocab_parallel_logsumexp
+
+    seq = batch.seq_index()
+    parts, ons = [], []
+    for block in block_rows(rows, m):
+        z = logits_of(batch, block, micro_batches)
+        if z is None:
+            continue
+        acc = torch.promote_types(z.dtype, torch.float32)
+        lse = vocab_parallel_logsumexp(z.to(acc), tp_group)
+        parts.append(z.to(acc) - lse.unsqueeze(-1))
+        ons.append((~torch.isnan(block).all(1))[seq].to(z.device))
+    if not parts:
+        return None
+    lp, on = torch.stack(parts), torch.stack(ons)  # [m', T, V/tp], [m', T]
+    count = on.sum(0)
+    masked = torch.where(on.unsqueeze(-1), lp, torch.full_like(lp, float("-inf")))
+    mix = torch.logsumexp(masked, 0) - torch.log(count.clamp(min=1).to(lp.dtype)).unsqueeze(-1)
+    return torch.where((count > 0).unsqueeze(-1), mix, torch.zeros_like(mix))
