@@ -12,7 +12,7 @@ import abc
 import asyncio
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megarl.rollout.types import (
@@ -221,32 +221,50 @@ async def continue_from_prefix(
     prefix: Sample,
     sampling: SamplingParams | None = None,
     request_id: str | None = None,
+    *,
+    allow_empty: bool = False,
+    version_order: Callable[[str], Any] | None = None,
 ) -> Sample:
-    """``prefix`` (a sample of ``prompt_ids`` that stopped at its length limit) continued to the end
-    through ``engine.generate`` (any engine, or a wrapper of one): one request whose prompt is
-    ``prompt_ids + prefix.token_ids`` (re-prefilled, never re-sampled), for at most
-    ``sampling.max_new_tokens`` more tokens. The returned sample's tokens and logprobs are the
-    prefix's, unchanged, followed by the continuation's; its finish reason and routed experts (over
-    the whole sequence) are the continuation's; when the two parts carry different weight versions
-    it keeps the prefix's (the oldest) and sets ``meta["mixed"]``."""
+    """``prefix`` (a sample of ``prompt_ids`` that stopped at its length limit, or was aborted)
+    continued to the end through ``engine.generate`` (any engine, or a wrapper of one): one request
+    whose prompt is ``prompt_ids + prefix.token_ids`` (re-prefilled, never re-sampled), for at most
+    ``sampling.max_new_tokens`` more tokens, joined to the prefix by ``join_continuation``. An
+    empty prefix is refused unless ``allow_empty`` (then the request is a plain new one)."""
     name = getattr(engine, "name", "engine")
     if len(prefix.token_ids) != len(prefix.logprobs):
         raise BadRequestError(
             f"{name}: prefix has {len(prefix.token_ids)} tokens and {len(prefix.logprobs)} logprobs"
         )
-    if not prefix.token_ids:
+    if not prefix.token_ids and not allow_empty:
         raise BadRequestError(f"{name}: a continuation needs a prefix of at least one token")
     res = await engine.generate(
         list(prompt_ids) + list(prefix.token_ids), n=1, sampling=sampling, request_id=request_id
     )
-    tail = res.samples[0]
-    mixed = prefix.weight_version is not None and tail.weight_version != prefix.weight_version
+    return join_continuation(prefix, res.samples[0], version_order)
+
+
+def join_continuation(
+    prefix: Sample, tail: Sample, version_order: Callable[[str], Any] | None = None
+) -> Sample:
+    """One sample: ``prefix``'s tokens and logprobs, unchanged, followed by ``tail``'s (its
+    continuation); finish reason, stop reason and routed experts (over the whole sequence) are the
+    tail's. When the two parts carry different weight versions the sample keeps the older: the
+    smaller under ``version_order`` when given (e.g. ``int`` for integer labels), else the
+    prefix's (generated first). ``meta["mixed"]``: a non-empty prefix and a tail of different
+    versions, or either part already mixed."""
+    pv, tv = prefix.weight_version, tail.weight_version
+    differ = pv is not None and tv != pv
+    if version_order is not None and pv is not None and tv is not None:
+        version = min(pv, tv, key=version_order)
+    else:
+        version = pv if differ else tv
+    mixed = (differ and bool(prefix.token_ids)) or bool(tail.meta.get("mixed") or prefix.meta.get("mixed"))
     return Sample(
         token_ids=list(prefix.token_ids) + list(tail.token_ids),
         logprobs=list(prefix.logprobs) + list(tail.logprobs),
         finish_reason=tail.finish_reason,
-        weight_version=prefix.weight_version if mixed else tail.weight_version,
+        weight_version=version,
         stop_reason=tail.stop_reason,
         routed_experts=tail.routed_experts,
-        meta={**tail.meta, "mixed": mixed or bool(tail.meta.get("mixed") or prefix.meta.get("mixed"))},
+        meta={**tail.meta, "mixed": mixed},
     )

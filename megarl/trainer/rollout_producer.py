@@ -24,7 +24,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.engine import RolloutEngine, continue_from_prefix
 from megarl.rollout.types import GenerateResult, Sample
 from megarl.rollout.workflow import version_of
 from megarl.trainer.rollouts import CollectedBatch
@@ -145,7 +145,9 @@ class GatedEngine:
             return res
 
     async def _continue(self, prompt_ids: list[int], s: Sample, sp: Any, j: int) -> Sample:
-        """Continue an aborted sample from its prefix (new weights) until it finishes."""
+        """Continue an aborted sample from its prefix (new weights) until it finishes
+        (``continue_from_prefix`` through the gate: an empty prefix is a new request; integer
+        versions, the oldest kept)."""
         while s.finish_reason == "abort":
             left = sp.max_new_tokens - len(s.token_ids)
             if left <= 0:
@@ -153,22 +155,31 @@ class GatedEngine:
                 break
             self.counters["continued_samples"] += 1
             seed = None if sp.seed is None else (sp.seed * 31 + 7 * j + len(s.token_ids)) % (2**31)
-            res = await self._request(
-                prompt_ids + list(s.token_ids), 1, dataclasses.replace(sp, max_new_tokens=left, seed=seed)
-            )
-            part = res.samples[0]
-            v = version_of(part.weight_version)
-            v = self._version() if v is None else v
-            old = int(s.weight_version)
-            mixed = bool(s.meta.get("mixed")) or (bool(s.token_ids) and v != old)
-            s = Sample(
-                list(s.token_ids) + list(part.token_ids),
-                list(s.logprobs) + [float(x) for x in part.logprobs],
-                part.finish_reason,
-                weight_version=str(min(old, v)),
-                meta={"mixed": mixed},
+            s = await continue_from_prefix(
+                _GatedRequests(self),
+                prompt_ids,
+                s,
+                dataclasses.replace(sp, max_new_tokens=left, seed=seed),
+                allow_empty=True,
+                version_order=int,
             )
         return s
+
+
+class _GatedRequests:
+    """One gated request per ``generate`` (``GatedEngine._request``: no continuation of its own),
+    each sample labelled with its integer weight version."""
+
+    def __init__(self, gated: GatedEngine):
+        self.gated, self.name = gated, getattr(gated.inner, "name", "engine")
+
+    async def generate(self, prompt_ids: list[int], n: int = 1, sampling: Any = None, request_id: Any = None):
+        """The gated engine's answer to one request."""
+        res = await self.gated._request(list(prompt_ids), n, sampling)
+        for s in res.samples:
+            v = version_of(s.weight_version)
+            s.weight_version = str(self.gated._version() if v is None else v)
+        return res
 
 
 class RolloutProducer:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.rollout.embedded import EmbeddedEngine, hf_model_from_config, teacher_forced_logprobs
-from megarl.rollout.engine import continue_from_prefix
+from megarl.rollout.engine import continue_from_prefix, join_continuation
 from megarl.rollout.types import BadRequestError, Sample, SamplingParams
 from megarl.testing.tiny_qwen3 import TINY_QWEN3_HF
 
@@ -63,3 +63,19 @@ def test_bad_prefixes_are_refused(engine):
         asyncio.run(engine.continue_sample(PROMPT, Sample([3, 4], [-1.0], "length")))
     with pytest.raises(BadRequestError, match="needs a prefix of at least one token"):
         asyncio.run(engine.continue_sample(PROMPT, Sample([], [], "length")))
+
+
+def test_integer_versions_keep_the_smallest_and_an_empty_prefix_is_a_new_request(engine):
+    """The async producer's bookkeeping (its continuation of aborted samples goes through here)."""
+    pre = Sample([3], [-1.0], "abort", weight_version="2", meta={"mixed": False})
+    tail = Sample([4, 5], [-0.5, -0.25], "stop", weight_version="10", stop_reason=5)
+    s = join_continuation(pre, tail, version_order=int)
+    assert s.token_ids == [3, 4, 5] and s.logprobs == [-1.0, -0.5, -0.25]
+    assert s.weight_version == "2" and s.meta["mixed"] is True  # "10" < "2" as text, not as numbers
+    assert (s.finish_reason, s.stop_reason) == ("stop", 5)
+    sp = SamplingParams(max_new_tokens=2, ignore_eos=True, seed=1)
+    empty = Sample([], [], "abort", weight_version="3")
+    s = asyncio.run(continue_from_prefix(engine, PROMPT, empty, sp, allow_empty=True, version_order=int))
+    fresh = asyncio.run(engine.generate(PROMPT, sampling=sp)).samples[0]
+    assert s.token_ids == fresh.token_ids and s.logprobs == fresh.logprobs
+    assert s.weight_version == "0" and s.meta["mixed"] is False  # nothing generated under "3"
