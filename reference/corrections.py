@@ -10,9 +10,19 @@ loss; when no threshold triggers, every one of them equals plain IS, c_t = w_t.
   mis               c = w · 1[w <= C]                          masked IS: drop tokens above the cap
   icepop            c = w · 1[α <= w <= β]                     IcePop: two-sided token filter
   seq_geo_mask      c = w · 1[lo <= ρ_b <= hi],  ρ_b = exp(mean_t log w_t)   sequence geometric-mean mask
+  seq_tis           c = min(Π_t w_t, C) on every token of the sequence       sequence-level truncated IS
+  token_k2|k3       c = w · 1[k_t <= C]                        token rejection on a KL estimate
+  seq_{sum,mean}_{k1,k2,k3}, seq_max_{k2,k3}
+                    c = w · 1[S_b <= C]   (k1: |S_b| <= C)     sequence rejection on the sum / mean /
+                                                               max of k over its response tokens
+  with k1 = −log w, k2 = ½ (log w)², k3 = w − 1 − log w: estimates of KL(π_roll ‖ π_old) from the
+  rollout's samples. C = correction_high. Without a trigger the rejections equal plain IS and
+  seq_tis equals sequence-level IS (Π_t w_t).
 Papers: truncated IS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL";
 IcePop: Ring-1T (inclusionAI 2025).
-Provenance: the papers named above, as implemented by peers (verl rollout_corr); thresholds are knobs.
+Provenance: the papers named above, as implemented by peers (verl rollout_corr: sequence-level
+truncated IS, rejection sampling on token k2/k3 and on sequence sum/mean/max of k1/k2/k3);
+thresholds are knobs, the k1 two-sided bound is ours.
 """
 
 import torch
@@ -48,3 +58,39 @@ def seq_geo_mask(old_logp, rollout_logp, mask, low: float = 0.5, high: float = 2
     rho = torch.exp(logw.sum(-1) / m.sum(-1).clamp(min=1))  # [B]
     keep = ((rho >= low) & (rho <= high)).to(old_logp.dtype).unsqueeze(-1)
     return is_weight(old_logp, rollout_logp) * keep
+
+
+def seq_tis(old_logp, rollout_logp, mask, cap: float = 2.0):
+    """Sequence-level truncated IS: c = min(Π_t w_t, C) over the response tokens, on every token."""
+    m = mask.to(old_logp.dtype)
+    rho = torch.exp(((old_logp - rollout_logp).detach() * m).sum(-1))
+    return torch.clamp(rho, max=cap).unsqueeze(-1).expand_as(old_logp)
+
+
+def divergence(kind: str, old_logp, rollout_logp):
+    """k1 = −log w, k2 = ½ (log w)², k3 = w − 1 − log w per token (w = exp(old − roll))."""
+    r = (old_logp - rollout_logp).detach()
+    return {"k1": -r, "k2": 0.5 * r**2, "k3": torch.exp(r) - 1 - r}[kind]
+
+
+def rejection(name: str, old_logp, rollout_logp, mask, cap: float = 2.0):
+    """``token_<k>`` or ``seq_<sum|mean|max>_<k>``: c = w where the criterion is <= C, else 0."""
+    parts = name.split("_")
+    k = divergence(parts[-1], old_logp, rollout_logp)
+    w = is_weight(old_logp, rollout_logp)
+    if parts[0] == "token":
+        return w * (k <= cap).to(w.dtype)
+    m = mask.to(old_logp.dtype)
+    B = m.shape[0]
+    stats = []
+    for b in range(B):
+        vals = k[b][m[b] > 0]
+        if parts[1] == "sum":
+            v = vals.sum()
+        elif parts[1] == "mean":
+            v = vals.mean() if vals.numel() else vals.new_zeros(())
+        else:
+            v = vals.max() if vals.numel() else vals.new_zeros(())
+        stats.append(v.abs() if parts[-1] == "k1" else v)
+    keep = (torch.stack(stats) <= cap).to(w.dtype).unsqueeze(-1)
+    return w * keep

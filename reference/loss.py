@@ -66,6 +66,10 @@ def rl_loss(
         pg = pg * corrections.icepop(old_logp, rollout_logp, corr_low, corr_high)
     elif correction == "seq_geo_mask":
         pg = pg * corrections.seq_geo_mask(old_logp, rollout_logp, mask, corr_low, corr_high)
+    elif correction == "seq_tis":
+        pg = pg * corrections.seq_tis(old_logp, rollout_logp, mask, corr_high)
+    elif correction.startswith(("token_k", "seq_sum_", "seq_mean_", "seq_max_")):
+        pg = pg * corrections.rejection(correction, old_logp, rollout_logp, mask, corr_high)
 
     def agg(x):
         return aggregation.aggregate(x, mask, aggregation_mode, max_len)

@@ -77,7 +77,19 @@ def objective_configs(
         kl_coef=st.sampled_from([0.0, 0.1]),
         kl_estimator=st.sampled_from(["k1", "k2", "k3", "k3_k2grad"]),
         entropy_coef=st.sampled_from([0.0, 0.01]),
-        correction=st.sampled_from(["none", "tis", "mis", "icepop", "seq_geo_mask"]),
+        correction=st.sampled_from(
+            [
+                "none",
+                "tis",
+                "mis",
+                "icepop",
+                "seq_geo_mask",
+                "seq_tis",
+                "token_k3",
+                "seq_sum_k1",
+                "seq_max_k2",
+            ]
+        ),
         correction_low=st.just(0.8),
         correction_high=st.just(1.25),
         distill=st.sampled_from(distills),
