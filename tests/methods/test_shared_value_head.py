@@ -69,7 +69,7 @@ def _reference(case, values: torch.Tensor):
     return loss.detach(), lg.grad[am], vp.grad[am]
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(rl_cases(cfgs=st.just(CFG)), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.integers(1, 3))
 def test_policy_plus_value_equals_reference(case, tp, dp, micro):
     b = case.batch
@@ -88,7 +88,7 @@ def test_policy_plus_value_equals_reference(case, tp, dp, micro):
     torch.testing.assert_close(leaf.grad / tp, ref_gv, rtol=1e-7, atol=1e-9)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(reward_batches(), st.sampled_from([1.0, 0.9]), st.sampled_from([0.0, 0.5, 0.95, 1.0]))
 def test_decoupled_critic_lambda_targets(b, gamma, lam):
     """``targets: lambda``: the critic regresses on GAE(γ, λ_c) returns over V_old, whatever λ the

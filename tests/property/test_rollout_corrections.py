@@ -19,7 +19,7 @@ from tests.property.test_advantages import reward_batches
 NEW = ("seq_tis", *REJECTIONS)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(reward_batches(), st.sampled_from(NEW), st.sampled_from([0.05, 0.3, 1.25, 2.0]), st.floats(0.05, 1.0))
 def test_matches_reference(b, name, cap, spread):
     g = torch.Generator().manual_seed(int(b.tokens.sum()))
