@@ -25,7 +25,7 @@ def _produced_before(cmd: TrainCommand, quoted: list[QuotedCommand]) -> list[str
     commands, and every ``runs/`` path a data-making command (a script, ``python -c``) names."""
     out = []
     for q in quoted:
-        if q is cmd.quoted or q.line == cmd.quoted.line and q.doc == cmd.quoted.doc:
+        if q is cmd.quoted or (q.line == cmd.quoted.line and q.doc == cmd.quoted.doc):
             break
         if q.doc != cmd.quoted.doc:
             continue
@@ -45,8 +45,10 @@ def config_problem(cmd: TrainCommand, produced: list[str] = ()) -> str | None:
         value = override.partition("=")[2]
         # runs/ is ignored by git: a path there exists on a fresh clone only when a command wrote it,
         # however many runs this checkout has kept
-        if value.startswith("runs/") and "/" in value[5:] and not any(
-            value.startswith(p.rstrip("/") + "/") for p in produced
+        if (
+            value.startswith("runs/")
+            and "/" in value[5:]
+            and not any(value.startswith(p.rstrip("/") + "/") for p in produced)
         ):
             return f"{override}: no earlier command of {cmd.quoted.doc} writes {value}"
     try:
