@@ -5,7 +5,8 @@
 through ONE backward equals a plain-PyTorch reference on transformers' model with a value
 projection of its final normed hidden states: the head's values, the loss, and the gradient of
 every HF parameter and of the head (trunk gradients include the value term: checked against the
-reference without it too). Then one optimizer step moves the head; checkpoint save/load restores
+reference without it too); PP 2 on the logits path (fused_output off), the other layouts on the
+fused output layer. Then one optimizer step moves the head; checkpoint save/load restores
 every parameter (head included) bit for bit and the next step equals the uninterrupted one; HF
 export carries exactly the head-less model's names, equal to a head-less learner's export.
 """
@@ -23,7 +24,7 @@ REG = {"name": "value_head", "coef": C_V, "value_loss": "clipped", "value_clip":
 GRAD_TOL = 2e-5  # relative to the largest reference gradient entry (fp32 vs fp32 on other kernels)
 
 
-def _head_learner(layout, d: str):
+def _head_learner(layout, d: str, fused_output: str = "auto"):
     from megarl.learner.learner import Learner, LearnerConfig
     from megarl.learner.optim_config import OptimConfig
     from megarl.learner.parallel import initialize_parallel
@@ -34,6 +35,7 @@ def _head_learner(layout, d: str):
             optim=OptimConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-6),
             moe_aux_loss_coeff=0.0,
             heads=("value",),
+            fused_output=fused_output,
         ),
         initialize_parallel(layout),
     )
@@ -154,7 +156,9 @@ def case_sharedhead(args, moe: bool, layout_name: str, num_micro: int = 1) -> di
 
     hf, d = make_hf_model(moe, args.workdir)
     layout = LAYOUTS[layout_name]
-    ln = _head_learner(layout, d)
+    # PP 2 takes the logits path, the others the fused output layer (value_head reads no logits)
+    fused = "off" if layout_name == "pp2" else "auto"
+    ln = _head_learner(layout, d, fused)
     full = layout_name == "tp2"  # checkpoint and export: one layout (CI time)
     exported_fresh = {k: t.clone() for k, t in iter_hf_tensors(ln.model, ln.groups)} if full else {}
     gen = torch.Generator().manual_seed(3)
@@ -169,7 +173,7 @@ def case_sharedhead(args, moe: bool, layout_name: str, num_micro: int = 1) -> di
     batch.returns = torch.rand(batch.num_tokens, generator=gen) * m
     ref_v, ref_loss, ref_g, ref_g_policy = _reference(hf, batch, w, b, C_V)
 
-    out: dict = {}
+    out: dict = {"fused_output": fused}
     values = ln.compute_head(batch, "value", num_micro)
     out["d_values"] = max_over_world(float((values - ref_v).abs().max()))
 
