@@ -34,7 +34,13 @@ from megarl.learner.heads import align_head, attach_heads, check_heads, head_out
 from megarl.learner.model import build_gpt_model, load_hf_config
 from megarl.learner.optim_config import OptimConfig
 from megarl.learner.parallel import ParallelGroups
-from megarl.objectives.api import GlobalNormalisers, LossContext, Objective, micro_batch_context
+from megarl.objectives.api import (
+    GlobalNormalisers,
+    LossContext,
+    Objective,
+    micro_batch_context,
+    step_normalisers,
+)
 
 
 @runtime_checkable
@@ -524,7 +530,8 @@ class Learner:
         dp_group = g.dp if g.dp_size > 1 else None
         if hasattr(objective, "prepare"):  # global-batch statistics of stateful parts (RLObjective)
             batch = objective.prepare(batch, dp_group)
-        norms = normalisers or GlobalNormalisers.from_batch(batch, dp_group)
+        # the caller's normalisers, recounted where prepare narrowed the loss mask
+        norms = step_normalisers(objective, batch, normalisers, dp_group)
         tp_group = g.tp if g.layout.tp > 1 else None
         ctx = LossContext(
             normalisers=norms,

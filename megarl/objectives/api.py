@@ -59,6 +59,21 @@ class GlobalNormalisers:
         )
 
 
+def step_normalisers(
+    objective: Any, batch: PackedBatch, given: GlobalNormalisers | None, dp_group: Any = None
+) -> GlobalNormalisers:
+    """The normalisers of one optimizer step on the *prepared* ``batch``: the caller's ``given``
+    (counted before ``objective.prepare``) unless the objective declares ``narrows_loss_mask``
+    (its prepare took tokens out of the loss mask), then recounted over ``dp_group`` with the
+    caller's ``max_response_len``; counted here when ``given`` is None. Collective on every DP
+    rank alike (the flag is configuration, not data)."""
+    if given is None:
+        return GlobalNormalisers.from_batch(batch, dp_group)
+    if getattr(objective, "narrows_loss_mask", False):
+        return GlobalNormalisers.from_batch(batch, dp_group, given.max_response_len)
+    return given
+
+
 @dataclass
 class LossContext:
     """What an objective needs besides logits and batch: groups and global normalisers."""
@@ -113,6 +128,9 @@ class Objective(Protocol):
     An objective that needs nothing of the logits but the per-token logprobs and entropies of
     ``batch.tokens`` may also define ``accepts_token_stats() -> bool``; where it returns True the
     learner may call it with ``logits=None`` and ``ctx.token_stats`` set (the fused output layer).
+    One with ``prepare(batch, dp_group) -> batch`` gets it called on each DP rank's whole batch
+    before micro-batching; where that prepare takes tokens out of the loss mask it declares
+    ``narrows_loss_mask = True`` and the learner recounts the normalisers (``step_normalisers``).
     """
 
     def __call__(self, logits: torch.Tensor, batch: PackedBatch, ctx: LossContext) -> LossOutput: ...

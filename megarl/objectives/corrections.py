@@ -3,6 +3,8 @@
 ``fn(old_logp, rollout_logp, mask, cu_seqlens, low, high) -> [T]``; formulas in reference/corrections.py.
 The token-level ones and the rejections equal plain IS, w = exp(old_logp - rollout_logp), when no
 threshold triggers; ``seq_tis`` equals sequence-level IS, the product of w over the sequence.
+Every rejection (``mis``, ``icepop``, ``seq_geo_mask``, the k-criteria) is ``w · keep`` with its
+keep mask in ``CRITERIA``, so criteria chain (``correction_chain``: a product of keeps).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from megarl.ops.segments import broadcast_to_tokens, segment_masked_mean, segmen
 from megarl.registry import Registry
 
 CORRECTIONS: Registry = Registry("mismatch_correction")
+# criterion name -> keep(old_logp, rollout_logp, mask, cu_seqlens, low, high) -> bool [T]
+CRITERIA: dict = {}
 
 
 def _w(old_logp, rollout_logp):
@@ -29,23 +33,18 @@ def tis(old_logp, rollout_logp, mask, cu_seqlens, low, high):
     return torch.clamp(_w(old_logp, rollout_logp), max=high)
 
 
-@CORRECTIONS.register("mis")
-def mis(old_logp, rollout_logp, mask, cu_seqlens, low, high):
+def _keep_mis(old_logp, rollout_logp, mask, cu_seqlens, low, high):
+    return _w(old_logp, rollout_logp) <= high
+
+
+def _keep_icepop(old_logp, rollout_logp, mask, cu_seqlens, low, high):
     w = _w(old_logp, rollout_logp)
-    return w * (w <= high).to(w.dtype)
+    return (w >= low) & (w <= high)
 
 
-@CORRECTIONS.register("icepop")
-def icepop(old_logp, rollout_logp, mask, cu_seqlens, low, high):
-    w = _w(old_logp, rollout_logp)
-    return w * ((w >= low) & (w <= high)).to(w.dtype)
-
-
-@CORRECTIONS.register("seq_geo_mask")
-def seq_geo_mask(old_logp, rollout_logp, mask, cu_seqlens, low, high):
+def _keep_seq_geo(old_logp, rollout_logp, mask, cu_seqlens, low, high):
     rho = torch.exp(segment_masked_mean((old_logp - rollout_logp).detach(), mask, cu_seqlens))
-    keep = broadcast_to_tokens(((rho >= low) & (rho <= high)).to(old_logp.dtype), cu_seqlens)
-    return _w(old_logp, rollout_logp) * keep
+    return broadcast_to_tokens(((rho >= low) & (rho <= high)).to(old_logp.dtype), cu_seqlens) > 0
 
 
 @CORRECTIONS.register("seq_tis")
@@ -68,10 +67,9 @@ def _divergence(kind: str, old_logp, rollout_logp):
 
 def _token_rejection(kind: str):
     def fn(old_logp, rollout_logp, mask, cu_seqlens, low, high):
-        keep = _divergence(kind, old_logp, rollout_logp) <= high
-        return _w(old_logp, rollout_logp) * keep.to(old_logp.dtype)
+        return _divergence(kind, old_logp, rollout_logp) <= high
 
-    fn.__doc__ = f"Token rejection on {kind}: w where {kind} <= high, else 0."
+    fn.__doc__ = f"Token rejection on {kind}: keep where {kind} <= high."
     return fn
 
 
@@ -88,12 +86,18 @@ def _seq_rejection(stat: str, kind: str):
             value = torch.zeros(cu_seqlens.numel() - 1, dtype=k.dtype, device=k.device)
             value = value.scatter_reduce(0, seq, k, "amax", include_self=True)
         bound = value.abs() if kind == "k1" else value  # k1 sums can be negative: |.| <= high
-        keep = broadcast_to_tokens((bound <= high).to(old_logp.dtype), cu_seqlens)
-        return _w(old_logp, rollout_logp) * keep
+        return broadcast_to_tokens((bound <= high).to(old_logp.dtype), cu_seqlens) > 0
 
-    fn.__doc__ = (
-        f"Sequence rejection on the {stat} of {kind} over its response tokens: w where it is <= high."
-    )
+    fn.__doc__ = f"Sequence rejection on the {stat} of {kind} over its response tokens: keep where <= high."
+    return fn
+
+
+def _rejecting(keep_fn):
+    def fn(old_logp, rollout_logp, mask, cu_seqlens, low, high):
+        keep = keep_fn(old_logp, rollout_logp, mask, cu_seqlens, low, high)
+        return _w(old_logp, rollout_logp) * keep.to(old_logp.dtype)
+
+    fn.__doc__ = f"w · keep, {keep_fn.__doc__ or keep_fn.__name__}"
     return fn
 
 
@@ -109,8 +113,11 @@ REJECTIONS: tuple[str, ...] = (
     "seq_max_k2",
     "seq_max_k3",
 )
+CRITERIA.update(mis=_keep_mis, icepop=_keep_icepop, seq_geo_mask=_keep_seq_geo)
 for _name in REJECTIONS:
     _parts = _name.split("_")
-    CORRECTIONS.add(
-        _name, _token_rejection(_parts[1]) if _parts[0] == "token" else _seq_rejection(_parts[1], _parts[2])
+    CRITERIA[_name] = (
+        _token_rejection(_parts[1]) if _parts[0] == "token" else _seq_rejection(_parts[1], _parts[2])
     )
+for _name, _keep in CRITERIA.items():
+    CORRECTIONS.add(_name, _rejecting(_keep))

@@ -22,6 +22,13 @@ class ObjectiveConfig:
     correction: str = "none"
     correction_low: float = 0.5
     correction_high: float = 2.0
+    # more rejection criteria multiplied onto the correction: [{"name": <criterion>, "high": float,
+    # "low": float (icepop, seq_geo_mask; default correction_low)}]
+    correction_chain: list = field(default_factory=list)
+    # divide the correction by its mean over the global batch's loss tokens (seq_tis: over sequences)
+    correction_normalise: bool = False
+    # rejected tokens: "keep" them in the loss denominators (masked IS) or "drop" them from it
+    correction_denominator: str = "keep"
     distill: str = "none"
     distill_coef: float = 0.0
     # extra keyword knobs of the chosen policy loss (method families register losses that need more)
@@ -63,6 +70,7 @@ class ObjectiveConfig:
             or self.dual_clip <= 1
         ):
             raise ValueError(f"objective.dual_clip={self.dual_clip!r} must be a number > 1 or null")
+        self._validate_correction()
         if self.aggregation not in MODES:
             raise ValueError(f"objective.aggregation={self.aggregation!r}; allowed: {', '.join(MODES)}")
         if not isinstance(self.policy_loss_args, dict):
@@ -79,3 +87,37 @@ class ObjectiveConfig:
                     f"{', '.join(REGULARISERS.names()) or 'none registered'}"
                 )
         return self
+
+    def _validate_correction(self) -> None:
+        from megarl.objectives.corrections import CRITERIA
+
+        if not isinstance(self.correction_chain, list):
+            raise ValueError(f"objective.correction_chain must be a list, got {self.correction_chain!r}")
+        for i, crit in enumerate(self.correction_chain):
+            key = f"objective.correction_chain[{i}]"
+            if not isinstance(crit, dict) or crit.get("name") not in CRITERIA or "high" not in crit:
+                raise ValueError(
+                    f"{key} must be a mapping with 'name' (one of {', '.join(CRITERIA)}) "
+                    f"and 'high', got {crit!r}"
+                )
+            extra = set(crit) - {"name", "high", "low"}
+            if extra:
+                raise ValueError(f"{key} has unknown keys {sorted(extra)}; allowed: name, high, low")
+            for k in ("high", "low"):
+                v = crit.get(k, 0.0)
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"{key}.{k}={v!r} must be a number")
+        if not isinstance(self.correction_normalise, bool):
+            raise ValueError(
+                f"objective.correction_normalise={self.correction_normalise!r} must be true or false"
+            )
+        if self.correction_denominator not in ("keep", "drop"):
+            raise ValueError(
+                f"objective.correction_denominator={self.correction_denominator!r}; allowed: keep, drop"
+            )
+        uses = self.correction_normalise or self.correction_denominator != "keep"
+        if uses and self.correction == "none" and not self.correction_chain:
+            raise ValueError(
+                "objective.correction_normalise / correction_denominator need a correction "
+                "or a correction_chain"
+            )

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from megarl.batch import PackedBatch
+from megarl.objectives import rollout_correction
 from megarl.objectives.aggregation import aggregate
 from megarl.objectives.api import LossContext, LossOutput
-from megarl.objectives.corrections import CORRECTIONS
 from megarl.objectives.distillation import DISTILLATION
 from megarl.objectives.kl import KL_ESTIMATORS
 from megarl.objectives.objective_config import ObjectiveConfig
@@ -56,12 +56,20 @@ class RLObjective:
         parts += [REGULARISERS.info(reg["name"]) for reg in self.cfg.regularisers]
         return not any(p.reads_logits for p in parts)
 
+    @property
+    def narrows_loss_mask(self) -> bool:
+        """True when ``prepare`` takes tokens out of the loss mask (rejected tokens leave the
+        denominator): the caller's normalisers must then be recounted (api.step_normalisers)."""
+        return rollout_correction.global_stage(self.cfg) and self.cfg.correction_denominator == "drop"
+
     def prepare(self, batch: PackedBatch, dp_group: Any = None) -> PackedBatch:
         """Call once per optimizer step on this DP rank's whole batch, before splitting it into
         micro-batches. Parts that need statistics of the global batch (``PartInfo.prepare``:
         GAPO's mean |A|, CoKL's group weights, EPPO's task entropies) compute them here, reduced
         over ``dp_group``, store them per sequence in ``batch.extras`` and update their state.
-        A no-op for the core parts; returns the batch to split."""
+        The rollout correction's global stage (batch-normalised weights, rejected tokens out of
+        the loss mask) runs first, so the parts see the final mask. Returns the batch to split."""
+        batch = rollout_correction.prepare(self.cfg, batch, dp_group)
         for key, info, knobs in self._parts():
             if info.prepare is not None:
                 batch = info.prepare(batch, dp_group, self.state.get(key), **knobs)
@@ -109,21 +117,26 @@ class RLObjective:
         if token_metrics is not None:  # per-token diagnostics of the loss, token-mean over the global batch
             for k, v in token_metrics(logp.detach(), old, adv, mask, cu, **extra).items():
                 metrics[f"{cfg.policy_loss}/{k}"] = _token_mean(v, mask, norm)
-        if cfg.correction != "none":
+        if rollout_correction.active(cfg):
             if ctx.old_is_current:
                 raise ValueError(f"correction={cfg.correction!r} needs recomputed 'old_logprobs'")
             if batch.rollout_logprobs is None or batch.old_logprobs is None:
                 raise ValueError(f"correction={cfg.correction!r} needs 'old_logprobs' and 'rollout_logprobs'")
-            c = CORRECTIONS.get(cfg.correction)(
-                batch.old_logprobs.to(logp.dtype),
-                batch.rollout_logprobs.to(logp.dtype),
-                mask,
-                cu,
-                cfg.correction_low,
-                cfg.correction_high,
-            )
+            c = batch.token_extras.get(rollout_correction.MULTIPLIER)
+            if c is None:
+                if rollout_correction.global_stage(cfg):
+                    raise ValueError(
+                        "correction_normalise / correction_denominator: drop need "
+                        "objective.prepare on the batch"
+                    )
+                old_c, roll_c = batch.old_logprobs.to(logp.dtype), batch.rollout_logprobs.to(logp.dtype)
+                c = rollout_correction.multiplier_and_keep(cfg, old_c, roll_c, mask, cu)[0]
+            c = c.to(logp.device, logp.dtype)
             pg = pg * c
             metrics["correction_zeroed_frac"] = _token_mean((c == 0).to(logp.dtype), mask, norm)
+            dropped = batch.extras.get(rollout_correction.DROPPED)
+            if dropped is not None:  # global fraction of loss tokens prepare took out of the mask
+                metrics["correction_dropped_frac"] = dropped.sum().to(logp.dtype)
         pg_loss = agg(pg)
         loss = pg_loss
         metrics["pg_loss"] = pg_loss.detach()
