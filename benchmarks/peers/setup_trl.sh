@@ -3,7 +3,7 @@
 # trl 1.16.0 with accelerate 1.15.0 and datasets 5.2.0. torch, transformers and the rest of what they
 # share with megarl come from the project venv (.venv, made first by tests/setup/10-python.sh) through
 # a .pth file, so both sides run the same torch 2.13.0 and transformers builds and only TRL's own
-# packages are downloaded (~130 MB). Override the location with TRL_VENV.
+# packages are downloaded (107 MB on disk). Override the location with TRL_VENV.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 venv="${TRL_VENV:-$root/.venv-trl}"
