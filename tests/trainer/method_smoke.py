@@ -1,6 +1,6 @@
 """Every examples/methods/*.yaml for a few RL steps in ONE trainer process group (one model type).
 
-    python tests/trainer/method_smoke.py --model dense --out results.jsonl [--only gepo,eppo]
+    python tests/trainer/method_smoke.py --model dense --out results.jsonl [--only gepo,eppo] [--async gigpo]
     torchrun --nproc-per-node 2 tests/trainer/method_smoke.py --model moe --out results.jsonl
 
 Every example names ``base: ../quickstart.yaml`` (a layered config,
@@ -17,6 +17,13 @@ sampler, and runs ``Trainer.step`` ``--steps`` times.
 Per example, rank 0 prints (and appends to ``--out``) one JSON line: the metrics of every step,
 the largest parameter change (max over ranks), the method's checkpoint state after a save/load
 round trip, and ``error`` when the example failed (the loop goes on with the next one).
+
+Examples run through the synchronous loop (``async_loop.enabled: false`` laid over each);
+``--async NAMES`` (or ``all``) then runs those examples again through the asynchronous loop
+(``async_loop.enabled: true, max_staleness: 1``; their lines say ``"loop": "async"``), in the
+same process after the synchronous ones: the trainer's own ``AsyncTrainer.make_source`` builds
+each one's engine, event-loop thread and rollout producer, stopped and closed after its steps as
+``Trainer.finish`` does; the session's shared engine then serves on.
 
 The distillation examples' teacher is trained once per session (``_setup``:
 megarl.testing.teacher.fit_teacher, a short supervised fit on the training answers) in the MoE
@@ -113,6 +120,13 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "sapo": {"schedule": {"prompts_per_step": 16}},
     # the smoke's run directory is shared: replay what examples/methods/regen.yaml (run before it) wrote
     "regen-replay": {"method": {"replay_in": "replay"}},
+}
+
+
+# laid over an example: its pass through the synchronous loop, and through the asynchronous one (``--async``)
+LOOPS = {
+    "sync": {"async_loop": {"enabled": False}},
+    "async": {"async_loop": {"enabled": True, "max_staleness": 1}},
 }
 
 
@@ -293,12 +307,35 @@ def _fit_teacher(run, model: str, out: Path, init_dir: Path) -> dict:
     return info
 
 
+def _kept(v) -> bool:
+    """A metric value the result line keeps: a number, a string or a histogram (``async/versions``)."""
+    if isinstance(v, dict):
+        return all(isinstance(x, (int, float)) for x in v.values())
+    return isinstance(v, (int, float, str))
+
+
+def _close_own_source(run, source, shared: tuple) -> None:
+    """Stop an example's own rollout source (producer), close its engine and event loop, as
+    ``Trainer.finish`` does; the session's shared engine and loop serve the next example."""
+    try:
+        if source is not None:
+            source.close()
+        if run.engine is not None and run.engine is not shared[0]:
+            run.loop.run_until_complete(run.engine.close())
+    finally:
+        if run.loop is not shared[1]:
+            run.loop.close()
+        run.engine, run.loop = shared
+        vars(run).pop("make_event_loop", None)  # the source's own loop factory, if it set one
+
+
 def run_example(run, name: str, cfg, init_dir: Path, steps: int) -> dict:
-    """Build the example's parts with the trainer's own code and run ``steps`` steps."""
+    """Build the example's parts with the trainer's own code and run ``steps`` steps (through the
+    asynchronous loop when ``cfg.async_loop.enabled``: its own source, engine and producer)."""
     from megarl.data.dataset import PromptSampler
     from megarl.rewards.compute import RewardComputer
     from megarl.trainer.config import method_knobs, method_of
-    from megarl.trainer.loop import SyncRollouts, Trainer
+    from megarl.trainer.loop import SyncRollouts, trainer_class
 
     if run.rank0 and run.rewards is not None:
         run.rewards.close()
@@ -309,25 +346,36 @@ def run_example(run, name: str, cfg, init_dir: Path, steps: int) -> dict:
     run.method_knobs = method_knobs(cfg, run.spec)
     run.build_learners(init_dir)
     run.build_faults()
-    run.build_rank0_parts()
-    trainer = Trainer(cfg)
-    trainer.r, trainer.source = run, SyncRollouts(run)
-    trainer.source.update_weights(0)  # the engine back to the initial policy
-    before = _params(run)
-    recs = []
-    for s in range(1, steps + 1):
-        t0 = time.time()
-        rec = trainer.step(s)
-        rec["wall_s"] = time.time() - t0
-        recs.append({k: v for k, v in rec.items() if isinstance(v, (int, float, str))})
-    state = _state_summary(run)
-    run.method.close()  # as Trainer.finish does: the shared engine goes on to the next example as it was
+    trainer = trainer_class(cfg)(cfg)
+    trainer.r, trainer.source = run, None
+    own, shared = cfg.async_loop.enabled, (run.engine, run.loop)
+    try:
+        if own:  # engine, event-loop thread, producer and collector, as the asynchronous run builds them
+            trainer.source = trainer.make_source(run, 0)
+        else:  # the shared engine
+            run.build_rank0_parts()
+            trainer.source = SyncRollouts(run)
+        trainer.source.update_weights(0)  # the engine back to the initial policy
+        before = _params(run)
+        recs = []
+        for s in range(1, steps + 1):
+            t0 = time.time()
+            rec = trainer.step(s)
+            rec["wall_s"] = time.time() - t0
+            recs.append({k: v for k, v in rec.items() if _kept(v)})
+        trainer.source.close()  # no batch is produced while the state is read
+        state = _state_summary(run)
+        run.method.close()  # as Trainer.finish does: the shared engine goes on to the next example as it was
+    finally:
+        if own:
+            _close_own_source(run, trainer.source, shared)
     return {"steps": recs, "param_change": _max_change(before, run), "state": state}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the examples; one JSON line per example on rank 0."""
     from megarl.trainer.config import apply_overrides, from_dict
+    from megarl.trainer.config_layers import merge_layers
     from megarl.trainer.run import Run
 
     ap = argparse.ArgumentParser()
@@ -335,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     ap.add_argument("--only", default="", help="comma-separated example names (default: all)")
+    ap.add_argument(
+        "--async",
+        dest="async_names",
+        default="",
+        help="comma-separated examples (or 'all') run again through the asynchronous loop, after the rest",
+    )
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument(
         "--set",
@@ -350,18 +404,20 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="megarl-smoke-"))
     base = apply_overrides(base_config(args.model, work, args.steps), args.set)
     names = [n for n in (args.only.split(",") if args.only else example_names()) if n]
+    async_names = [n for n in args.async_names.split(",") if n]
+    async_names = example_names() if async_names == ["all"] else async_names
     t_all = time.time()
     run = Run(from_dict(base))
     init_dir = _setup(run, args.model)
     rank0 = dist.get_rank() == 0
-    for name in names:
+    for name, loop in [(n, "sync") for n in names] + [(n, "async") for n in async_names]:
         t0 = time.time()
-        res: dict = {"example": name, "model": args.model}
+        res: dict = {"example": name, "model": args.model, "loop": loop}
         if name in UNSUPPORTED:
             res["unsupported"] = UNSUPPORTED[name]
         else:
             try:
-                cfg = from_dict(example_config(base, name))
+                cfg = from_dict(merge_layers(example_config(base, name), LOOPS[loop]))
                 res.update(run_example(run, name, cfg, init_dir, args.steps))
             except Exception as e:  # reported per example; the pytest side fails that example
                 res["error"] = f"{type(e).__name__}: {e}"
@@ -378,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.out, "a") as f:
                     f.write(line + "\n")
     if rank0:
-        print(f"SMOKE-DONE {len(names)} examples in {time.time() - t_all:.1f}s", flush=True)
+        total = len(names) + len(async_names)
+        print(f"SMOKE-DONE {total} examples in {time.time() - t_all:.1f}s", flush=True)
         if run.rewards is not None:
             run.rewards.close()
         if run.engine is not None:

@@ -9,6 +9,9 @@
   of every sample, the loop really runs ahead (staleness 1 occurs), a resumed run trains on the
   queued batch saved in the checkpoint, and with max_staleness=0 the async loop reproduces the
   synchronous loop's metrics exactly.
+
+The method examples (reward shapers, multi-turn workflows, allocators) run through the
+asynchronous loop in the shared smoke run: tests/trainer/test_method_examples.py, dense and MoE EP=2.
 """
 
 import asyncio
@@ -296,51 +299,6 @@ DETERMINISTIC = (
     "rollout/response_len",
     "rollout/example",
 )
-
-
-# (example, a metric its method part writes every step)
-ASYNC_EXAMPLES = [
-    ("reward-floor", "shaping/reward_floor/copied_frac"),
-    ("gigpo", "adv/steps_per_seq"),
-    # the agents family: its workflows (reflect, review, instructed, retry) and context passes
-    ("srpo", "srpo/patch_frac"),
-    ("crpo", "self_teacher/forwarded_frac"),
-    ("reflectrl", "reflect_logprobs/forwarded_frac"),
-    ("el", "coach/knowledge_frac"),
-    ("ice", "instruction_logprobs/forwarded_frac"),
-    ("srrl", "srrl/memory_size"),
-    ("taspo", "pi_bank/size"),
-    ("trial", "hindsight_logprobs/forwarded_frac"),
-    ("agent-opsd", "self_teacher/forwarded_frac"),
-    # the allocation family: the streaming scheduler and prefix-then-continue rounds
-    ("sara", "alloc/prompts_committed"),
-    ("pair", "pair/kept_frac"),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("example, signal", ASYNC_EXAMPLES)
-def test_async_loop_runs_reward_shaping_and_multi_turn_methods(example, signal, tmp_path):
-    """The asynchronous producer runs the same collector as the synchronous loop: a reward shaper
-    (round processor), multi-turn workflows (retry, reflect, review, instructed) and the agents
-    family's methods work there too."""
-    import yaml
-
-    from megarl.trainer.config_layers import read_layered_config
-
-    cfg = read_layered_config(ROOT / "examples" / "methods" / f"{example}.yaml")  # over its base
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    run_dir = tmp_path / "run"
-    run(
-        overrides(tmp_path, run_dir, steps=2) + ["async_loop.enabled=true", "async_loop.max_staleness=1"],
-        config=tmp_path / "cfg.yaml",
-    )
-    m = metrics(run_dir)
-    for s in (1, 2):
-        assert signal in m[s], sorted(m[s])
-        assert all(0 <= s - 1 - int(v) <= 1 for v in m[s]["async/versions"])
-    if example == "gigpo":
-        assert max(m[s]["adv/steps_per_seq"] for s in (1, 2)) > 1.0  # real multi-turn episodes
 
 
 @pytest.mark.slow

@@ -8,6 +8,10 @@ Checked per example: both steps ran with a finite loss, the weights moved, the e
 with exactly the learner's weights (old-logprob gap), and the method's own signal is there (GEPO's
 history, EPPO's task state, the shaper's statistics, judge calls, RRPO's head, ...). Examples the
 trainer cannot run yet are skipped with the runner's reason.
+
+The same process then runs ASYNC_EXAMPLES through the asynchronous loop (``--async``: the
+trainer's own producer, max_staleness 1), on both models: every step has a finite loss and the
+method part's own metric, and every sample's recorded policy version is within the bound.
 """
 
 from __future__ import annotations
@@ -31,6 +35,26 @@ MODELS = ("dense", "moe")
 STEPS = 2
 # flow-model methods -> their metric prefix: a Megatron flow DiT trains, the LM policy does not
 FLOW_METHODS = {"lc-grpo": "lc_grpo", "flowcts": "flowcts"}
+# (example, a metric its method part writes every step) run again through the asynchronous loop
+ASYNC_EXAMPLES = [
+    ("reward-floor", "shaping/reward_floor/copied_frac"),  # a reward shaper (round processor)
+    ("gigpo", "adv/steps_per_seq"),  # multi-turn episodes (environment: retry)
+    # the agents family: its workflows (reflect, review, instructed, retry) and context passes
+    ("srpo", "srpo/patch_frac"),
+    ("crpo", "self_teacher/forwarded_frac"),
+    ("reflectrl", "reflect_logprobs/forwarded_frac"),
+    ("el", "coach/knowledge_frac"),
+    ("ice", "instruction_logprobs/forwarded_frac"),
+    ("srrl", "srrl/memory_size"),
+    ("taspo", "pi_bank/size"),
+    ("trial", "hindsight_logprobs/forwarded_frac"),
+    ("agent-opsd", "self_teacher/forwarded_frac"),
+    ("regen", "regen/replay_written"),  # episodes stored with their behaviour NLL (stale ones too)
+    ("regen-replay", "train/regen/weight"),  # ... replayed by the method's batch source (no rollouts)
+    # the allocation family: the streaming scheduler and prefix-then-continue rounds
+    ("sara", "alloc/prompts_committed"),
+    ("pair", "pair/kept_frac"),
+]
 
 
 def _free_port() -> int:
@@ -59,6 +83,8 @@ def results(model: str, tmp_root: Path) -> dict[str, dict]:
         str(out),
         "--steps",
         str(STEPS),
+        "--async",
+        ",".join(name for name, _ in ASYNC_EXAMPLES),
     ]
     if model == "moe":
         cmd = [
@@ -79,7 +105,7 @@ def results(model: str, tmp_root: Path) -> dict[str, dict]:
     if out.exists():
         for line in out.read_text().splitlines():
             r = json.loads(line)
-            got[r["example"]] = r
+            got[r["example"] + ("@async" if r.get("loop") == "async" else "")] = r
     got["__run__"] = {"returncode": p.returncode, "tail": p.stdout[-2000:] + p.stderr[-3000:]}
     _RESULTS[model] = got
     return got
@@ -336,6 +362,46 @@ def test_example_runs_in_the_trainer(name, model, tmp_path_factory):
         assert s["train/update_successful"] == 1.0 and s["train/optimizer_steps"] == 2  # 2 mini-batches
     assert r["param_change"] > 0 or name in FLOW_METHODS, "the weights did not move"
     check_signal(name, r)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("name, signal", ASYNC_EXAMPLES)
+def test_example_runs_in_the_async_loop(name, signal, model, tmp_path_factory):
+    """The asynchronous producer runs the same collector as the synchronous loop: reward shapers,
+    multi-turn workflows, context passes and streaming allocators work there too, within the bound."""
+    res = results(model, tmp_path_factory.getbasetemp())
+    key = f"{name}@async"
+    assert key in res, (
+        f"no async result for {name} ({model}); runner rc={res['__run__']['returncode']}:\n"
+        + res["__run__"]["tail"]
+    )
+    r = res[key]
+    assert "error" not in r, r.get("traceback", r.get("error"))
+    assert [s["step"] for s in r["steps"]] == list(range(1, STEPS + 1))
+    for s in r["steps"]:
+        assert signal in s, sorted(s)
+        assert math.isfinite(s["train/loss"]) and s["train/update_successful"] == 1.0, s
+        if name == "regen-replay":  # no rollouts: nothing generated, nothing stale
+            assert "rollout/samples" not in s and "async/versions" not in s, s
+            continue
+        assert s["async/train_version"] == s["step"] - 1
+        versions = [int(v) for v in s["async/versions"]]
+        assert versions and all(0 <= s["step"] - 1 - v <= 1 for v in versions), s["async/versions"]
+    assert r["param_change"] > 0, "the weights did not move"
+    if name == "gigpo":
+        assert max(_any(r, "adv/steps_per_seq")) > 1.0  # real multi-turn episodes
+    if name == "regen-replay":  # the episodes the asynchronous run wrote train alike when replayed
+        for sa, sb in zip(res["regen@async"]["steps"], r["steps"], strict=True):
+            assert sb["train/loss"] == pytest.approx(sa["train/loss"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_async_examples_ran_ahead_of_the_learner(model, tmp_path_factory):
+    """The producer generated batches while the learner trained: some sample has staleness 1."""
+    res = results(model, tmp_path_factory.getbasetemp())
+    steps = [s for n, _ in ASYNC_EXAMPLES for s in res.get(f"{n}@async", {}).get("steps", [])]
+    stale = [s["async/staleness_max"] for s in steps if "async/staleness_max" in s]
+    assert stale and max(stale) == 1, stale
 
 
 @pytest.mark.parametrize("model", MODELS)
