@@ -2,6 +2,7 @@
 
     logp = token_logprobs(logits, tokens)
     ℓ_pg = policy_loss(logp, old_logp, A) · c          c: mismatch correction (1 when off)
+    (correction_denominator="drop": the correction's rejected tokens leave the mask m of every term)
     L    = agg(ℓ_pg) + β_kl · agg(kl(logp, ref_logp)) - β_H · agg(H(logits)) + β_d · agg(distill)
 
 agg is one aggregation mode for every part. This is what megarl's composed objective must equal,
@@ -36,6 +37,9 @@ def rl_loss(
     rollout_logp: torch.Tensor | None = None,
     corr_low: float = 0.5,
     corr_high: float = 2.0,
+    correction_chain=(),
+    correction_normalise: bool = False,
+    correction_denominator: str = "keep",
     distill: str = "none",
     distill_coef: float = 0.0,
     teacher_logp: torch.Tensor | None = None,
@@ -58,18 +62,19 @@ def rl_loss(
     else:
         raise ValueError(f"unknown policy_loss {policy_loss!r}")
 
-    if correction == "tis":
-        pg = pg * corrections.tis(old_logp, rollout_logp, corr_high)
-    elif correction == "mis":
-        pg = pg * corrections.mis(old_logp, rollout_logp, corr_high)
-    elif correction == "icepop":
-        pg = pg * corrections.icepop(old_logp, rollout_logp, corr_low, corr_high)
-    elif correction == "seq_geo_mask":
-        pg = pg * corrections.seq_geo_mask(old_logp, rollout_logp, mask, corr_low, corr_high)
-    elif correction == "seq_tis":
-        pg = pg * corrections.seq_tis(old_logp, rollout_logp, mask, corr_high)
-    elif correction.startswith(("token_k", "seq_sum_", "seq_mean_", "seq_max_")):
-        pg = pg * corrections.rejection(correction, old_logp, rollout_logp, mask, corr_high)
+    if correction != "none" or correction_chain:
+        c, mask = corrections.rollout_correction(
+            correction,
+            old_logp,
+            rollout_logp,
+            mask,
+            corr_low,
+            corr_high,
+            chain=correction_chain,
+            normalise=correction_normalise,
+            drop=correction_denominator == "drop",
+        )
+        pg = pg * c
 
     def agg(x):
         return aggregation.aggregate(x, mask, aggregation_mode, max_len)
