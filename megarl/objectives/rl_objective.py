@@ -136,7 +136,7 @@ class RLObjective:
             metrics["correction_zeroed_frac"] = _token_mean((c == 0).to(logp.dtype), mask, norm)
             dropped = batch.extras.get(rollout_correction.DROPPED)
             if dropped is not None:  # global fraction of loss tokens prepare took out of the mask
-                metrics["correction_dropped_frac"] = dropped.sum().to(logp.dtype)
+                metrics["correction_dropped_frac"] = dropped.sum().to(logp.device, logp.dtype)
         pg_loss = agg(pg)
         loss = pg_loss
         metrics["pg_loss"] = pg_loss.detach()

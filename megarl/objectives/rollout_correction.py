@@ -65,6 +65,7 @@ def batch_mean(
         s = torch.stack([segment_masked_mean(c.double(), m, cu)[n > 0].sum(), (n > 0).sum().double()])
     else:
         s = torch.stack([(c.double() * m).sum(), m.sum()])
+    s = s.cpu()  # reduced like GlobalNormalisers' counts (host tensors)
     comm.all_reduce(s, "sum", dp_group)
     return float(s[0] / s[1]) if float(s[1]) > 0 else 1.0
 
@@ -85,7 +86,7 @@ def prepare(cfg: ObjectiveConfig, batch: PackedBatch, dp_group: Any = None) -> P
     kept = mask
     if cfg.correction_denominator == "drop":
         kept = mask * keep.to(mask.dtype)
-        total = mask.sum().reshape(1)
+        total = mask.sum().reshape(1).cpu()
         comm.all_reduce(total, "sum", dp_group)
         extras[DROPPED] = segment_sum(mask - kept, cu) / max(float(total), 1.0)
     if cfg.correction_normalise:
