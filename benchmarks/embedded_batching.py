@@ -9,7 +9,7 @@ weights drawn with ``--seed``), ``--prompts`` prompts of its task (reverse a 3-d
 one seed per prompt. All prompts are sent at once, as the collector does, to two engines on the
 same model: ``max_batch_rows=1`` (each request decodes alone, the engine before continuous
 batching) and the default (every request in one batch). Each is timed over ``--repeats`` rounds
-(best kept); it prints generated tokens per second of both, the ratio, how many samples are
+(best kept, default 10); it prints generated tokens per second of both, the ratio, how many samples are
 token-for-token identical between the two and the largest logprob difference over those.
 """
 
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "examples/quickstart.yaml"))
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the config's")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()

@@ -249,11 +249,12 @@ class BatchScheduler:
         sp = job.req.sampling
         nxt, lp = sample_next(job.logits, sp, job.gen)
         job.steps += 1
+        ids, lps = nxt.tolist(), lp.tolist()
         for i in range(job.req.n):
             if job.finish[i] is not None:
                 continue
-            job.tokens[i].append(int(nxt[i]))
-            job.logprobs[i].append(float(lp[i]))
+            job.tokens[i].append(ids[i])
+            job.logprobs[i].append(lps[i])
             hit = self.engine.stop_hit(job.tokens[i], job.stop_ids, sp)
             if hit is not None:
                 job.finish[i], job.stop_reason[i] = "stop", hit[0]

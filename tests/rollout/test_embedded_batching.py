@@ -107,7 +107,11 @@ def test_concurrent_requests_equal_one_at_a_time_and_abort_leaves_the_rest(tiny_
             asyncio.ensure_future(eng.generate(p, n=2, sampling=sp_of(20, 1500), request_id=f"r{i}"))
             for i, p in enumerate(prompts[:3])
         ]
-        while len(eng._batcher.active) < 3 or eng._batcher.active[0].steps < 5:
+
+        def steps() -> dict[str, int]:
+            return {j.req.request_id: j.steps for j in list(eng._batcher.active)}
+
+        while any(steps().get(f"r{i}", 0) < 5 for i in range(3)):
             await asyncio.sleep(0.005)
         assert await eng.abort("r1") == 1
         await asyncio.sleep(0.05)
