@@ -195,6 +195,8 @@ def sao_clip(
     adv: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    mask: torch.Tensor | None = None,
+    max_out_of_band: float | None = None,
 ) -> torch.Tensor:
     """SAO's strict double-sided token clipping (single-rollout asynchronous optimisation).
 
@@ -206,9 +208,19 @@ def sao_clip(
     one rollout per prompt); the critic is another family's. Provenance: [RECON] from the SAO abstract
     (it names "strict double-sided token-level clipping").
     logp, behav_logp, adv: [B, L] -> [B, L]
+    Optional sequence mask ([RECON], "a sequence-level mask when too many tokens are out of band"):
+    with ρ = max_out_of_band, a sequence b whose share of out-of-band loss tokens
+    Σ_t m (1 − keep) / Σ_t m exceeds ρ gets keep = 0 on every token (mask: [B, L]).
     """
     r = torch.exp(logp - behav_logp)
     keep = ((r >= 1 - clip_low) & (r <= 1 + clip_high)).to(logp.dtype).detach()
+    if max_out_of_band is not None:
+        m = mask.to(logp.dtype)
+        for b in range(logp.shape[0]):
+            n = float(m[b].sum())
+            share = float(((1 - keep[b]) * m[b]).sum()) / max(n, 1.0)
+            if share > max_out_of_band:
+                keep[b] = 0.0
     return -keep * r * adv
 
 

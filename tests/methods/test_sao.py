@@ -27,6 +27,7 @@ CFGS = st.builds(
     clip_low=st.sampled_from([0.2, 0.1]),
     clip_high=st.sampled_from([0.28, 0.1]),
     aggregation=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]),
+    policy_loss_args=st.sampled_from([{}, {"max_out_of_band": 0.0}, {"max_out_of_band": 0.3}]),
 )
 
 
@@ -42,6 +43,8 @@ def _reference(case):
                 adv,
                 resolved_clip(cfg)["clip_low"],
                 resolved_clip(cfg)["clip_high"],
+                pad.loss_mask,
+                cfg.policy_loss_args.get("max_out_of_band"),
             ),
             pad,
             cfg.aggregation,
@@ -138,3 +141,29 @@ def test_needs_advantages():
         build_objective({"policy_loss": "sao_clip"})(
             torch.randn(2, 4), b, LossContext(GlobalNormalisers(1, 1))
         )
+
+
+def test_sequence_mask_drops_whole_sequences_past_the_share():
+    """max_out_of_band: a sequence with more out-of-band loss tokens than the share gets zero loss
+    and gradient on every token; the others are the token-level loss; 1.0 is the token-level loss."""
+    b = from_sequences([[1], [1]], [[2, 2, 2, 2], [2, 2, 2, 2]], [0, 1])
+    T = b.num_tokens
+    b.rollout_logprobs = torch.zeros(T, dtype=torch.float64)
+    lr = torch.zeros(T, dtype=torch.float64)
+    lr[2] = 1.0  # one of 4 response tokens of sequence 0 out of band (r = e)
+    lr[7], lr[8] = 1.0, -1.0  # two of 4 of sequence 1
+    adv = torch.ones(T, dtype=torch.float64) * b.loss_mask
+
+    def grad(share):
+        x = lr.clone().requires_grad_(True)
+        knobs = {} if share is None else {"max_out_of_band": share}
+        sao_loss(x, lr * 0, adv, b.loss_mask, b.cu_seqlens, batch=b, **knobs).sum().backward()
+        return x.grad
+
+    token = grad(None)
+    assert torch.equal(grad(1.0), token)
+    g = grad(0.3)  # sequence 0 (1/4 out) stays, sequence 1 (2/4 out) goes
+    assert torch.equal(g[:5], token[:5]) and torch.equal(g[5:], torch.zeros(5, dtype=torch.float64))
+    assert torch.equal(grad(0.0), torch.zeros(T, dtype=torch.float64))
+    with pytest.raises(ValueError, match="max_out_of_band"):
+        grad(1.5)
