@@ -177,6 +177,7 @@ def finish(res: dict, steps: list[dict], cpu: list[float], evals: list[dict]) ->
         "wall_s": res["wall_s"],
         "peak_rss_mib": res["peak_rss_mib"],
         "vol_ctx": res["vol_ctx"],
+        "threads": res["threads"],  # thread name -> [threads, voluntary switches, CPU s] (last seen)
         "curve": {int(e["step"]): float(e["eval/sampled_acc"]) for e in evals},
         "step_time_at": cum,
     }
@@ -201,6 +202,7 @@ def summary(runs: list[dict], target: float) -> dict:
         "wall_s": statistics.median(r["wall_s"] for r in runs),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
         "vol_ctx": statistics.median(r["vol_ctx"] for r in runs),
+        "threads": runs[0]["threads"],
         "time_to_target": statistics.median(reach) if reach else None,
         "reached": len(reach),
         "curve": {s: [r["curve"][s] for r in runs] for s in steps},
@@ -222,6 +224,12 @@ def report(m: dict, t: dict, a: argparse.Namespace) -> None:
     row("wall s, whole process", m["wall_s"], t["wall_s"], "{:.1f}")
     row("peak RSS MiB", m["peak_rss_mib"], t["peak_rss_mib"], "{:.0f}")
     row("voluntary ctx switches", m["vol_ctx"], t["vol_ctx"], "{:.0f}")
+    for name, side in (("megarl", m), ("TRL", t)):
+        top = sorted(side["threads"].items(), key=lambda kv: -kv[1][1])[:4]
+        print(
+            f"  {name} threads by voluntary ctx switches (seed 0; name x threads): "
+            + ", ".join(f"{n} x{k:.0f} {c:.0f}" for n, (k, c, _) in top)
+        )
     row(f"step time to sampled_acc >= {a.target}", m["time_to_target"], t["time_to_target"], "{:.1f}")
     print(f"  seeds reaching it: megarl {m['reached']}/{a.seeds}, TRL {t['reached']}/{a.seeds}")
     print("held-out sampled_acc (mean [min, max] over seeds):")

@@ -72,7 +72,7 @@ def test_time_to_target_sums_step_times_up_to_the_first_evaluation_reaching_it()
     compare = _module("compare_trl")
     steps = [{"step": i, "wall_s": 0.5 if i == 1 else 0.25} for i in range(1, 31)]
     run = compare.finish(
-        {"cpu_s": 9.0, "wall_s": 12.0, "peak_rss_mib": 100.0, "vol_ctx": 5},
+        {"cpu_s": 9.0, "wall_s": 12.0, "peak_rss_mib": 100.0, "vol_ctx": 5, "threads": {}},
         steps,
         [0.1, 0.2, 0.3],
         [
@@ -85,7 +85,9 @@ def test_time_to_target_sums_step_times_up_to_the_first_evaluation_reaching_it()
     assert compare.time_to(run, 0.5) == pytest.approx(0.5 + 9 * 0.25)
     assert compare.time_to(run, 0.6) is None
     assert compare.time_to(run, 0.1) == 0.0  # the initial policy already reaches it
-    other = compare.finish({"cpu_s": 1, "wall_s": 1, "peak_rss_mib": 300.0, "vol_ctx": 9}, steps, [0.4], [])
+    other = compare.finish(
+        {"cpu_s": 1, "wall_s": 1, "peak_rss_mib": 300.0, "vol_ctx": 9, "threads": {}}, steps, [0.4], []
+    )
     both = compare.summary([run, {**other, "curve": {0: 0.3, 10: 0.45}}], 0.5)
     assert both["peak_rss_mib"] == 300.0 and both["reached"] == 1
     assert both["curve"] == {0: [0.2, 0.3], 10: [0.55, 0.45]}
@@ -107,10 +109,12 @@ def test_ten_steps_of_the_peer_benchmark(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "median s/step" in proc.stdout and "peak RSS MiB" in proc.stdout
+    assert "megarl threads by voluntary ctx switches" in proc.stdout
     figures = json.loads(out.read_text())
     for side in ("megarl", "trl"):
         f = figures[side]
         assert sorted(f["curve"]) == ["0", "10", "5"]
         assert 0 < f["s_per_step"] and 0 < f["cpu_per_step"] and f["peak_rss_mib"] > 100
+        assert sum(n for _, n, _ in f["threads"].values()) > 0  # per-thread context switches seen
         (run,) = figures["runs"][side]
         assert sorted(int(k) for k in run["step_time_at"]) == list(range(11))
