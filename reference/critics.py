@@ -277,3 +277,25 @@ def policy_and_value_loss(
     return pg + value_coef * value_loss(
         values, old_values, returns, mask, value_kind, value_clip, huber_delta
     )
+
+
+# ---------------------------------------------------------------- SAO: prompt-level value
+def prompt_value_advantage(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
+    """SAO's prompt-level baseline (reconstructed: "A = R − V(x)", Monte Carlo value targets).
+
+    G_t  = Σ_{k ≥ t} m_k r_k                 Monte Carlo return (γ = 1) over the loss tokens
+    V(x) = values at the first loss token     the critic read where the prompt ends (values are
+                                              aligned to the state before each token)
+    A_t  = m_t (G_t − V(x)),  returns = m_t G_t   (the critic's regression target)
+    With an outcome reward, A = R − V(x) on every response token.
+    token_rewards, values, mask: [B, L] -> (A, returns) [B, L]
+    """
+    m = mask.to(torch.float64)
+    r = token_rewards.to(torch.float64) * m
+    G = torch.flip(torch.cumsum(torch.flip(r, [-1]), -1), [-1]) * m
+    adv = torch.zeros_like(G)
+    for b in range(m.shape[0]):
+        on = torch.nonzero(m[b] > 0).flatten()
+        if on.numel():
+            adv[b] = (G[b] - values[b, on[0]].to(torch.float64)) * m[b]
+    return adv, G
