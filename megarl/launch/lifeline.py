@@ -189,6 +189,39 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def leader_handle(pgid: int) -> int | None:
+    """A pidfd of the group's leader (the process whose pid is ``pgid``): it names that process
+    and no later one with a reused id. None where pidfds are not available or the leader is gone."""
+    try:
+        return os.pidfd_open(pgid)
+    except (AttributeError, OSError):
+        return None
+
+
+def same_group(pgid: int, leader: int | None) -> bool:
+    """Whether process group ``pgid`` still exists and is the one whose leader ``leader`` (a pidfd,
+    see ``leader_handle``) named. Linux does not hand out a pid that is still some process group's
+    id, so a live group whose leader has died is the same group (workers that outlived it) unless
+    a process now holds the pid ``pgid`` itself: then the id was reused by a new session leader
+    after the whole old group had gone, and that group is someone else's."""
+    if not _group_alive(pgid):
+        return False
+    if leader is None:
+        return True  # no identity to check (no pidfd): the group as it is now
+    try:
+        signal.pidfd_send_signal(leader, 0)
+        return True  # the original leader still runs (or is an unreaped zombie)
+    except ProcessLookupError:
+        pass
+    try:
+        os.kill(pgid, 0)
+    except ProcessLookupError:
+        return True  # no process has that pid: the live group is the old leader's orphans
+    except PermissionError:
+        return False
+    return False
+
+
 def kill_group(pgid: int, grace_s: float, term: bool = True) -> None:
     """SIGTERM process group ``pgid`` (unless ``term`` is False), then SIGKILL whatever is left
     after ``grace_s``."""
@@ -216,17 +249,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # step-wide signals: this process's job comes after them
-    groups: set[int] = set()
+    groups: dict[int, int | None] = {}  # pgid -> pidfd of its leader, taken when it was listed
     for line in sys.stdin.buffer:
         text = line.decode(errors="replace").strip()
         if text[:1] in "+-" and text[1:].isdigit():
-            (groups.add if text[0] == "+" else groups.discard)(int(text[1:]))
-    for pgid in groups:  # all groups get SIGTERM first, then share one grace period
+            pgid = int(text[1:])
+            old = groups.pop(pgid, None)
+            if old is not None:
+                os.close(old)
+            if text[0] == "+":
+                groups[pgid] = leader_handle(pgid)
+    # a group whose id was reused after it ended (a listed server that died on its own) is left alone
+    mine = [pgid for pgid, leader in groups.items() if same_group(pgid, leader)]
+    for pgid in mine:  # all groups get SIGTERM first, then share one grace period
         try:
             os.killpg(pgid, signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
             pass
-    for pgid in groups:
+    for pgid in mine:
         kill_group(pgid, args.grace, term=False)
     return 0
 

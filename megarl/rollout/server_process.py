@@ -153,6 +153,7 @@ class _ServerProcess:
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+            shared_watchdog().forget(self.proc.pid)  # gone: its id may be reused by anyone
 
     @staticmethod
     def _terminate(p: subprocess.Popen | None, timeout_s: float) -> None:

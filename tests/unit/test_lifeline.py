@@ -97,3 +97,39 @@ def test_forked_child_dies_with_parent_only_inside_the_guard(mode, dies):
 def test_watchdog_kills_a_watched_group_that_ignores_sigterm_and_spares_a_forgotten_one(mode, dies):
     left = _run_and_kill(WATCHDOG_PARENT, mode, 10 if dies else 3)
     assert (left == []) == dies, left
+
+
+def _session(cmd: str) -> subprocess.Popen:
+    return subprocess.Popen(["sh", "-c", cmd], start_new_session=True)
+
+
+def test_a_group_id_taken_by_a_new_session_leader_is_not_the_watched_group():
+    """The watchdog checks a listed group's identity before killing it: an id whose old group has
+    gone and that now names a new session leader (pid reuse) is spared; the original leader, and
+    workers that outlive their leader, are still its group."""
+    from megarl.launch.lifeline import leader_handle, same_group
+
+    old = _session("exit 0")
+    old_leader = leader_handle(old.pid)
+    if old_leader is None:
+        pytest.skip("no pidfd on this kernel: the watchdog cannot tell a reused group id apart")
+    old.wait()
+    new = _session("sleep 600")
+    try:
+        time.sleep(0.2)
+        # the old leader's identity against a live group whose leader is another process: this is
+        # what a reused id looks like (the new leader holds the pid equal to the group id)
+        assert not same_group(new.pid, old_leader)
+        assert same_group(new.pid, leader_handle(new.pid))
+        assert not same_group(old.pid, old_leader)  # gone
+    finally:
+        os.killpg(new.pid, signal.SIGKILL)
+        new.wait()
+    # a leader that exits leaving a worker behind: still its group
+    orphaning = _session("sleep 600 & echo $!")
+    leader = leader_handle(orphaning.pid)
+    orphaning.wait()
+    try:
+        assert same_group(orphaning.pid, leader)
+    finally:
+        os.killpg(orphaning.pid, signal.SIGKILL)
