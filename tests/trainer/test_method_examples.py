@@ -346,6 +346,8 @@ def test_example_runs_in_the_trainer(name, model, tmp_path_factory):
             assert math.isfinite(gap), gap
         elif name == "reflectrl":  # transfer copies keep the engine's logprobs under the reflection
             assert math.isfinite(gap), gap  # context and are trained without it (docs/methods/reflectrl.md)
+        elif name == "rstg":  # appended teacher solutions carry the teacher's sampling logprobs
+            assert math.isfinite(gap), gap
         else:
             assert gap > 1e-4 if name == "3po" else gap < 1e-4, gap
         if s.get("critic/warmup") == 1.0:  # a critic warm-up step holds the policy (checked below)
