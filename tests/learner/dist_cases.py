@@ -616,6 +616,57 @@ def case_critic(args, moe: bool, layout_name: str, num_micro: int = 2) -> dict:
     }
 
 
+def case_critic_checkpoint(args, moe: bool, layout_name: str) -> dict:
+    """A critic (value head on the trunk) saved after one value step with the run's sharded save and
+    loaded into a fresh critic redoes the next step bit for bit: value loss, grad norm, every
+    parameter (the value head's included) and the values; the LR schedule comes from the checkpoint."""
+    import json
+
+    from megarl.learner.dist_checkpoint import load_checkpoint, save_checkpoint
+    from megarl.learner.value_model import build_value_learner, compute_values
+    from megarl.objectives.value_losses import ValueObjective
+
+    _, d = make_hf_model(moe, args.workdir)
+    with open(os.path.join(d, "config.json")) as f:
+        hf = json.load(f)
+    groups = initialize_parallel(LAYOUTS[layout_name])
+    optim = OptimConfig(lr=1e-2, clip_grad=1.0, adam_eps=1e-6, lr_warmup_steps=1, lr_decay_steps=4)
+    batch = make_batch(11, lens=(7, 13, 5, 9, 6, 8, 10, 4))
+    g = torch.Generator().manual_seed(5)
+    batch.returns = torch.rand(batch.num_tokens, generator=g) * batch.loss_mask
+    batch.values = 0.3 * torch.randn(batch.num_tokens, generator=g) * batch.loss_mask
+    objective = ValueObjective("clipped", clip=0.2)
+    ckpt = os.path.join(args.workdir, f"critic-ckpt-{'moe' if moe else 'dense'}-{layout_name}")
+    a = build_value_learner(hf, groups, optim, d)
+    a.train_step(dp_shard(batch, a), objective)
+    save_checkpoint(a, ckpt)
+    m_ref = a.train_step(dp_shard(batch, a), objective)
+    p_ref = {n: t.detach().clone() for n, t in a.model.named_parameters()}
+    v_ref = compute_values(a, batch)
+    b = build_value_learner(hf, groups, OptimConfig(lr=1e-2, clip_grad=1.0, adam_eps=1e-6), None)
+    load_checkpoint(b, ckpt)
+    m = b.train_step(dp_shard(batch, b), objective)
+    p = dict(b.model.named_parameters())
+    d_par = max_over_world(max(float((p[n] - t).abs().max()) for n, t in p_ref.items()))
+    d_val = max_over_world(float((compute_values(b, batch) - v_ref).abs().max()))
+    res = {
+        "value_loss": [m_ref["value_loss"], m["value_loss"]],
+        "grad_norm": [m_ref["grad_norm"], m["grad_norm"]],
+        "lr": [m_ref["lr"], m["lr"]],
+        "d_params": d_par,
+        "d_values": d_val,
+        "params": len(p_ref),
+    }
+    res["ok"] = (
+        m["value_loss"] == m_ref["value_loss"]
+        and m["grad_norm"] == m_ref["grad_norm"]
+        and m["lr"] == m_ref["lr"]
+        and d_par == 0.0
+        and d_val == 0.0
+    )
+    return res
+
+
 def case_groups(args, moe: bool, layout_name: str) -> dict:
     """Switching layouts again and again, with a model built under each, must not pile up
     communicator threads: each layout's groups are made once per process and reused (megatron
@@ -816,6 +867,7 @@ VARIANT_CASES.update(__import__("tests.learner.fused_output_cases", fromlist=["C
 
 
 CASES = {
+    "critic_ckpt": case_critic_checkpoint,
     "groups": case_groups,
     "frozen": case_frozen,
     "parity": case_parity,

@@ -70,6 +70,8 @@ CASES_2 = [
     "critic:dense:pp2",
     "critic:moe:tp2sp",
     "critic:moe:ep2",
+    "critic_ckpt:dense:tp2",
+    "critic_ckpt:moe:ep2",
     "gupo:dense:tp1",
     "gupo:dense:tp2:2",
     "gupo:dense:tp2sp",
