@@ -40,6 +40,9 @@ MEANINGS: dict[str, str] = {
     "rollout.top_k": "top-k sampling (-1 = off)",
     "rollout.max_new_tokens": "generation budget per sample (also L_max of seq-mean-token-sum-norm)",
     "rollout.max_concurrency": "requests in flight per engine",
+    "rollout.embedded_batch_rows": "embedded engine: samples decoding in one batch at most (continuous batching); "
+    "1 = one request at a time, bitwise reproducible across runs (a batch's composition moves logprobs "
+    "in their last bits; docs/rollout.md)",
     "data.train": "training prompts: a jsonl or parquet path or glob (relative: to the config file's directory)",
     "data.eval": "held-out prompts for evaluation (same formats, paths as data.train); empty = no evaluation",
     "data.prompt_field": "row field holding the prompt",

@@ -69,6 +69,7 @@ RANGES: dict[str, Range] = {
     "rollout.top_p": Range(lo=0, hi=1, lo_open=True, note="1 = off"),
     "rollout.max_new_tokens": POSITIVE,
     "rollout.max_concurrency": POSITIVE,
+    "rollout.embedded_batch_rows": POSITIVE,
     "teacher.max_concurrency": POSITIVE,
     "rollout.server_max_num_seqs": POSITIVE,
     "rollout.server_startup_timeout_s": POSITIVE,

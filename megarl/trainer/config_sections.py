@@ -67,6 +67,9 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 16
     max_concurrency: int = 64
+    # embedded engine: samples decoding together at most; 1 = one request at a time (bitwise
+    # reproducible across runs: a batch's composition moves logprobs in their last bits)
+    embedded_batch_rows: int = 1024
     weights_dir: str | None = None  # server engines: where exported weights go (default run_dir/weights)
     # how weights reach the servers. disk: an exported HF checkpoint the servers reload;
     # memory: the tensors sent over a torch.distributed group to the servers' workers (vLLM: needs

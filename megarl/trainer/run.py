@@ -274,6 +274,7 @@ class Run:
                 eos_token_ids=[self.tok.eos_id],
                 max_concurrency=r.max_concurrency,
                 weight_version="init",
+                max_batch_rows=r.embedded_batch_rows,
             )
         if r.launch:  # one vLLM or SGLang server on this node serving the initial policy (stopped at exit)
             from megarl.trainer.servers import launch_server_for_run
