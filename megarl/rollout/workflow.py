@@ -74,6 +74,22 @@ class RolloutWorkflow(Protocol):
 
 WORKFLOWS: Registry[Callable[[WorkflowContext], RolloutWorkflow]] = Registry("rollout workflow")
 
+# what each built-in workflow does with its ``environment.*`` settings (the configuration reference)
+WORKFLOW_DOCS: dict[str, str] = {
+    "none": "one answer per sample.",
+    "retry": "a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``) as an "
+    "observation and another turn, up to ``max_turns``; the episode's outcome is its last answer's reward.",
+    "tools": "the model may call tools (``<tool_call>`` JSON; a calculator) and gets their results as "
+    "observations until it answers, up to ``max_turns`` turns.",
+    "grid": "a text game, one move per turn on a small board with per-turn rewards "
+    "(docs/agents.md#the-grid-game).",
+    "instructed": "each sample is generated with one of ``instructions`` (or none, uniformly) after the "
+    "prompt; the trained sequence is the plain prompt and the response.",
+    "review": "a wrong first answer gets ``feedback``, a self-review turn, ``after_review`` and a second "
+    "answer (megarl/rollout/review.py).",
+    "reflect": "reflective rollouts on reference trajectories (``trajectories``; megarl/rollout/reflect.py).",
+}
+
 
 def version_of(label: str | None) -> int | None:
     """An engine's weight-version label as an int (None when it is not a number, e.g. ``init``)."""

@@ -235,11 +235,12 @@ def render() -> str:
                 "",
             ]
             continue
+        out += [f"## `{f.name}`", "", _section_doc(cls), ""]
+        if f.name == "environment":  # the workflows' own descriptions live with them
+            from megarl.rollout.workflow import WORKFLOW_DOCS
+
+            out += [*(f"- `{k}`: {v}" for k, v in WORKFLOW_DOCS.items()), ""]
         out += [
-            f"## `{f.name}`",
-            "",
-            _section_doc(cls),
-            "",
             "| key | type | allowed | default | meaning |",
             "|---|---|---|---|---|",
         ]

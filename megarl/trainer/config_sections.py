@@ -177,20 +177,11 @@ class TeacherConfig:
 
 @dataclass
 class EnvironmentConfig:
-    """The rollout workflow (megarl/rollout/workflow.py ``WORKFLOWS``). ``none``: one answer per
-    sample. ``retry``: a wrong answer gets ``feedback`` (a ``str.format`` template over ``prompt``)
-    as an observation and another turn, up to ``max_turns``; the episode's outcome is its last
-    answer's reward. ``tools``: the model may call tools (``<tool_call>`` JSON; a calculator) and
-    gets their results as observations until it answers, up to ``max_turns`` turns. ``grid``: a text
-    game, one move per turn on a small board with per-turn rewards (docs/agents.md#the-grid-game).
-    ``instructed``: each sample is generated with one of ``instructions`` (or none, uniformly)
-    after the prompt; the trained sequence is the plain prompt and the response. ``review``: a
-    wrong first answer gets ``feedback``, a self-review turn, ``after_review`` and a second answer
-    (megarl/rollout/review.py).
-    ``reflect``: reflective rollouts on reference trajectories (``trajectories``;
-    megarl/rollout/reflect.py)."""
+    """The rollout workflow: ``name`` picks one of megarl/rollout/workflow.py ``WORKFLOWS`` (``none``:
+    one answer per sample); the other keys are that workflow's settings, each documented with the
+    workflow in docs/agents.md and docs/configuration.md."""
 
-    name: str = "none"  # a WORKFLOWS name: none, retry, tools, grid, instructed, reflect, review (see above)
+    name: str = "none"  # a WORKFLOWS name (megarl/rollout/workflow.py)
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
     instructions: list[str] = field(default_factory=list)  # instructed: texts sampled after the prompt

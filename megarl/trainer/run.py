@@ -117,7 +117,7 @@ class Run:
         """The policy learner holding ``init_dir``, the learner-side method parts, the objective."""
         from megarl.objectives.rl_objective import build_objective, objective_heads
 
-        # the output heads the objective's parts read live on the policy's trunk
+        # output heads the objective's parts read are built into the policy model
         self.learner = self.make_learner(self.hf, heads=objective_heads(self.cfg.objective))
         self.learner.load_hf(str(init_dir))
         try:
@@ -241,7 +241,7 @@ class Run:
         self, hf_config: dict, trainable: bool = True, lr: float | None = None, heads: tuple[str, ...] = ()
     ):
         """A learner under the run's layout with the run's optimizer and precision settings
-        (``heads``: extra output heads on its trunk, megarl/learner/heads.py)."""
+        (``heads``: extra output heads on its final hidden states, megarl/learner/heads.py)."""
         c = self.cfg
         return build_learner(
             hf_config,

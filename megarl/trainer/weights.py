@@ -49,7 +49,7 @@ def weight_sync_mode(rollout: Any) -> str:
 def push_weights(run: Any, version: int | str, learner: Any = None) -> None:
     """The learner's current weights -> ``run.engine`` as ``version`` (collective). ``learner``: a
     second trainable model of the run's architecture that a method builds, served by the same
-    engine in turns (None: the policy)."""
+    engine one at a time (None: the policy)."""
     if run.cfg.rollout.engine == "embedded":
         state = export_state(learner or run.learner)
         if run.engine is not None:
