@@ -477,6 +477,7 @@ def test_three_turn_tool_episode_through_vllm_is_what_the_learner_trains(vllm_se
         mask += [1.0] * len(ids) + [0.0] * len(obs)
     assert observations == [encode_observation(tok, format_tool_response(r)) for r in ("5", "20")]
     learner, warm = warm_up(tiny_models["v1"], tmp_path / "warm", script, mask, len(prompt_ids))
+    assert warm["min_logprob"] > math.log(0.6), f"the warm-up did not reach its margin: {warm}"
 
     ctx = WorkflowContext(tok, score, 1024, EnvironmentConfig(name="tools", max_turns=3))
     greedy = SamplingParams(temperature=0, max_new_tokens=96, seed=0)

@@ -56,10 +56,15 @@ def warm_up(
         group_ids=torch.tensor([0]),
         advantages=torch.zeros(len(tokens)),
     ).validate()
-    steps, worst = 0, -math.inf
-    while steps < max_steps and worst <= math.log(min_prob):
-        worst = ln.train_step(batch, _NLL())["min_logprob"]  # before this step's update
+    on = batch.loss_mask > 0
+    steps = 0
+    while True:
+        # checked on the weights that are exported: a step's own "before the update" figure can
+        # pass while its update throws one token back below the margin
+        worst = float(ln.compute_logprobs(batch)[0][on].min())
+        if worst > math.log(min_prob) or steps == max_steps:
+            break
+        ln.train_step(batch, _NLL())
         steps += 1
-    lp, _ = ln.compute_logprobs(batch)
     save_hf_checkpoint(ln.model, groups, str(out_dir), hf_config=ln.hf_config)
-    return ln, {"steps": steps, "min_logprob": float(lp[batch.loss_mask > 0].min())}
+    return ln, {"steps": steps, "min_logprob": worst}
