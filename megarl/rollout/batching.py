@@ -107,6 +107,14 @@ class BatchScheduler:
             self._worker = threading.Thread(target=self._run, name=f"{self.engine.name}-batch", daemon=True)
             self._worker.start()
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds for the worker thread to stop (it stops when no request
+        is left, or at once after the engine shut down)."""
+        with self._queue:
+            worker = self._worker
+        if worker is not None:
+            worker.join(timeout)
+
     @property
     def busy(self) -> bool:
         """Requests are decoding (a weight load waits until this is False)."""

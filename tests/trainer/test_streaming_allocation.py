@@ -73,7 +73,11 @@ def parts():
     rows = [
         PromptRow(prompt=f"R {i:03d}=", answer="x", task="reverse", source=f"mem:{i}") for i in range(100)
     ]
-    return cfg, run, EmbeddedEngine(model, eos_token_ids=[1]), PromptDataset(rows), RewardComputer(cfg.reward)
+    # one request at a time (no continuous batching): an abandoned prompt's later requests are still
+    # queued when its first failure arrives, whatever the machine's load
+    engine = EmbeddedEngine(model, eos_token_ids=[1], max_batch_rows=1)
+    yield cfg, run, engine, PromptDataset(rows), RewardComputer(cfg.reward)
+    engine.shutdown("tests done", wait=30)  # requests no step awaited may still be decoding
 
 
 def collector(parts, allocator) -> RolloutCollector:
