@@ -33,6 +33,14 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.rollout.reflect",
 )
 
+# torch-free modules whose import contributes config sections and keys (megarl/plugin/config_parts.py):
+# imported before a config is built, so their keys load and range-check before anything heavy
+CONFIG_MODULES: tuple[str, ...] = (
+    "megarl.plugin.teacher_config",
+    "megarl.rollout.review",
+    "megarl.rollout.reflect",
+)
+
 # method name -> "module:attr" of its MethodSpec
 METHODS: dict[str, str] = {
     "gapo": "megarl.methods.trust_regions.gapo:SPEC",
@@ -120,6 +128,12 @@ def load_builtin() -> None:
     for mod in BUILTIN_MODULES:
         importlib.import_module(mod)
     _loaded = True
+
+
+def load_config_parts() -> None:
+    """Import the modules that contribute config sections and keys (``CONFIG_MODULES``)."""
+    for mod in CONFIG_MODULES:
+        importlib.import_module(mod)
 
 
 def load_object(target: str, where: str) -> Any:

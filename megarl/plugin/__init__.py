@@ -12,7 +12,8 @@ small typed extension points, each with the built-in behaviour as an ordinary im
   judges, scores made with the run's engines);
 - rollout workflows (megarl/rollout/workflow.py): how one prompt becomes trajectories;
 - allocation (megarl/trainer/allocation.py): which prompts, how many rounds, which groups stay;
-- step hooks (spec.py): around the optimizer steps, with their checkpoint state.
+- step hooks (spec.py): around the optimizer steps, with their checkpoint state;
+- config sections and keys (config_parts.py): a package's own settings in the run config.
 
 The trainer composes these parts and never names a method.
 """

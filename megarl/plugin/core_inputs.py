@@ -19,6 +19,7 @@ import torch
 
 from megarl.batch import PackedBatch
 from megarl.plugin.inputs import InputProvider, RolloutInfo, register_provider
+from megarl.plugin.teacher_config import teacher_config
 from megarl.plugin.teacher_pass import MegatronTeacherPass, TeacherKnobs
 
 
@@ -58,7 +59,8 @@ def teacher_hf_config(cfg: Any, policy_hf: dict) -> dict:
     the char tokenizer the special token ids are the tokenizer's, as for the policy."""
     from megarl.learner.model import load_hf_config
 
-    if not cfg.teacher.hf_dir:
+    teacher = teacher_config(cfg)
+    if not teacher.hf_dir:
         o = cfg.objective  # the parts that may read a teacher input
         parts = [
             f"advantage.estimator={cfg.advantage.estimator!r}",
@@ -69,10 +71,10 @@ def teacher_hf_config(cfg: Any, policy_hf: dict) -> dict:
             f"the teacher input of this run ({', '.join(parts)}) needs teacher.hf_dir (the teacher's "
             "HF checkpoint, sharing the policy's vocabulary)"
         )
-    hf = dict(load_hf_config(cfg.teacher.hf_dir))
+    hf = dict(load_hf_config(teacher.hf_dir))
     if int(hf.get("vocab_size", -1)) != int(policy_hf["vocab_size"]):
         raise ValueError(
-            f"teacher.hf_dir={cfg.teacher.hf_dir}: vocab_size {hf.get('vocab_size')} differs from the "
+            f"teacher.hf_dir={teacher.hf_dir}: vocab_size {hf.get('vocab_size')} differs from the "
             f"policy's {policy_hf['vocab_size']} (distillation compares logprobs of the same tokens)"
         )
     for k in ("eos_token_id", "pad_token_id", "bos_token_id"):
@@ -87,12 +89,12 @@ def _reference(ctx: Any, names: frozenset) -> FrozenPass:
 
 def _teacher(ctx: Any, names: frozenset) -> Any:
     top_k = ctx.knobs.top_k if ctx.knobs is not None else TeacherKnobs().top_k
-    if ctx.cfg.teacher.source == "engine":  # served by a rollout engine (megarl/plugin/engine_teacher.py)
+    if teacher_config(ctx.cfg).source == "engine":  # served by an engine (plugin/engine_teacher.py)
         from megarl.plugin.engine_teacher import build_engine_teacher
 
         return build_engine_teacher(ctx, names, top_k)
     hf = teacher_hf_config(ctx.cfg, ctx.hf_config)
-    learner = ctx.make_learner(hf, ctx.cfg.teacher.hf_dir, trainable=False)
+    learner = ctx.make_learner(hf, teacher_config(ctx.cfg).hf_dir, trainable=False)
     return MegatronTeacherPass(learner, names, top_k, getattr(ctx.knobs, "rows", ""))
 
 

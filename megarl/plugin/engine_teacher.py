@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.batch import PackedBatch
+from megarl.plugin.teacher_config import teacher_config
 from megarl.plugin.teacher_pass import check_rows, selected_rows, token_index
 
 
@@ -115,7 +116,7 @@ def _topk_rows(scores: list, k: int) -> torch.Tensor:
 
 
 def build_engine_teacher(ctx: Any, names: frozenset = frozenset(), top_k: int = 8) -> EngineTeacherPass:
-    """The pass for ``ctx.cfg.teacher`` (``source: engine``) filling ``names``; engines are made on
+    """The pass for the run's ``teacher`` section (``source: engine``) filling ``names``; engines are made on
     rank 0 only. The full logits are the Megatron teacher's alone."""
     if "teacher_logits" in names:
         raise ValueError(
@@ -126,4 +127,4 @@ def build_engine_teacher(ctx: Any, names: frozenset = frozenset(), top_k: int = 
     check_rows(rows, names)
     device = ctx.groups.device if ctx.groups is not None else "cpu"
     k = top_k if "teacher_topk" in names else 0
-    return EngineTeacherPass(teacher_engines(ctx.cfg.teacher) if ctx.rank0 else None, device, k, rows)
+    return EngineTeacherPass(teacher_engines(teacher_config(ctx.cfg)) if ctx.rank0 else None, device, k, rows)

@@ -27,15 +27,42 @@ import asyncio
 import dataclasses
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megarl.plugin.config_parts import NON_NEGATIVE, Range, chosen_keys, register_keys
 from megarl.rollout.types import SamplingParams
 from megarl.rollout.workflow import WORKFLOWS, Trajectory, WorkflowContext, version_of
 
 ROLE = "reflect_role"
 CONTEXT = "reflect_context"
 DIRECT, REFLECTIVE, TRANSFER = 0, 1, 2
+
+
+@dataclass
+class ReflectKeys:
+    """The ``environment.*`` keys of the ``reflect`` workflow."""
+
+    trajectories: str | None = None  # jsonl of {"prompt", "trajectory"} (reference attempts)
+    reflect_template: str = "{trajectory}"  # the context after the prompt ({trajectory})
+    reflect_frac: float = 0.5  # share of a prompt's n samples that reflect (and are copied)
+    reflect_anneal_steps: int = 0  # reflect_frac falls linearly to 0 over these versions
+
+
+def check_keys(keys: ReflectKeys) -> None:
+    """``reflect_frac`` in [0, 1], ``reflect_anneal_steps`` >= 0 and a template over ``{trajectory}``."""
+    if not 0.0 <= keys.reflect_frac <= 1.0:
+        raise ValueError(f"environment.reflect_frac={keys.reflect_frac} must be in [0, 1]")
+    if keys.reflect_anneal_steps < 0:
+        raise ValueError(f"environment.reflect_anneal_steps={keys.reflect_anneal_steps} must be >= 0")
+    try:
+        keys.reflect_template.format(trajectory="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"environment.reflect_template={keys.reflect_template!r} must format with {{trajectory}} "
+            f"only ({e})"
+        ) from None
 
 
 def _encode(tok: Any, text: str) -> list[int]:
@@ -79,22 +106,11 @@ class ReflectWorkflow:
     """See the module docstring."""
 
     def __init__(self, ctx: WorkflowContext):
-        env = ctx.env
+        keys = chosen_keys(ctx.env, ReflectKeys)
+        check_keys(keys)
         self.ctx = ctx
-        self.frac = float(getattr(env, "reflect_frac", 0.5))
-        self.anneal = int(getattr(env, "reflect_anneal_steps", 0))
-        path = getattr(env, "trajectories", None)
-        template = getattr(env, "reflect_template", "{trajectory}")
-        if not 0.0 <= self.frac <= 1.0:
-            raise ValueError(f"environment.reflect_frac={self.frac} must be in [0, 1]")
-        if self.anneal < 0:
-            raise ValueError(f"environment.reflect_anneal_steps={self.anneal} must be >= 0")
-        try:
-            template.format(trajectory="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(
-                f"environment.reflect_template={template!r} must format with {{trajectory}} only ({e})"
-            ) from None
+        self.frac, self.anneal = float(keys.reflect_frac), int(keys.reflect_anneal_steps)
+        path, template = keys.trajectories, keys.reflect_template
         self.contexts, self.trajectories = (
             load_reflection_contexts(path, ctx.tokenizer, template) if path else ({}, {})
         )
@@ -166,3 +182,10 @@ class ReflectWorkflow:
 
 
 WORKFLOWS.add("reflect", ReflectWorkflow)
+register_keys(
+    "environment",
+    "reflect",
+    ReflectKeys,
+    check=lambda cfg: check_keys(chosen_keys(cfg.environment, ReflectKeys)),
+    ranges={"reflect_frac": Range(lo=0, hi=1), "reflect_anneal_steps": NON_NEGATIVE},
+)

@@ -20,12 +20,35 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
+from megarl.plugin.config_parts import chosen_keys, register_keys
 from megarl.rollout.types import SamplingParams
 from megarl.rollout.workflow import WORKFLOWS, Trajectory, WorkflowContext, version_of
 
 KEYS = ("review_r1", "review_r2", "review_c1", "review_c2", "reviewed")
+
+
+@dataclass
+class ReviewKeys:
+    """The ``environment.*`` keys of the ``review`` workflow (beside ``feedback`` and ``max_turns``)."""
+
+    after_review: str = " {prompt}"  # the observation after the review (template over {prompt})
+
+
+def check_templates(feedback: str, keys: ReviewKeys) -> None:
+    """``environment.feedback`` and ``environment.after_review`` format with ``{prompt}`` only."""
+    for key, text in (("feedback", feedback), ("after_review", keys.after_review)):
+        try:
+            text.format(prompt="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"environment.{key}={text!r}: only {{prompt}} may be used ({e!r})") from None
+
+
+def _check_config(cfg: Any) -> None:
+    """The run config's review templates (``check_templates``)."""
+    check_templates(cfg.environment.feedback, chosen_keys(cfg.environment, ReviewKeys))
 
 
 class ReviewWorkflow:
@@ -34,13 +57,8 @@ class ReviewWorkflow:
     def __init__(self, ctx: WorkflowContext):
         self.ctx = ctx
         self.memory = ctx.parts.get("memory")
-        for key in ("feedback", "after_review"):
-            try:
-                getattr(ctx.env, key).format(prompt="")
-            except (KeyError, IndexError, ValueError) as e:
-                raise ValueError(
-                    f"environment.{key}={getattr(ctx.env, key)!r}: only {{prompt}} may be used ({e!r})"
-                ) from None
+        self.keys = chosen_keys(ctx.env, ReviewKeys)
+        check_templates(ctx.env.feedback, self.keys)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.ctx.tokenizer.encode(text, bos=False)) if text else []
@@ -78,7 +96,7 @@ class ReviewWorkflow:
             ctx_ids = prompt_ids + a1 + obs1
             rv = await self._turn(engine, ctx_ids, dataclasses.replace(sp, seed=seed % (2**31)))
             if rv is not None:
-                obs2 = self._encode(env.after_review.format(prompt=prompt))
+                obs2 = self._encode(self.keys.after_review.format(prompt=prompt))
                 s2 = await self._turn(
                     engine,
                     ctx_ids + list(rv.token_ids) + obs2,
@@ -138,3 +156,4 @@ class ReviewWorkflow:
 
 
 WORKFLOWS.add("review", ReviewWorkflow)
+register_keys("environment", "review", ReviewKeys, check=_check_config)

@@ -12,6 +12,9 @@ one per prompt of a round, in the synchronous and the asynchronous loop alike. B
 
 New workflows register in ``WORKFLOWS`` (the config's ``environment.name`` picks one); ``tools``
 (tool calls, megarl/rollout/tool_env.py) and ``grid`` (a text game, megarl/rollout/grid_env.py) are two.
+A workflow with settings of its own declares them as a dataclass with
+``megarl.plugin.config_parts.register_keys("environment", <name>, <dataclass>)``: the config then
+takes them as ``environment.<key>`` when ``environment.name`` is that workflow (review.py, reflect.py).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megarl.registry import Registry
-from megarl.rollout.environments import Episode, StepResult, run_episode
 from megarl.rollout.types import SamplingParams
+
+if TYPE_CHECKING:  # environments imports torch; a config (and its workflow keys) loads without it
+    from megarl.rollout.environments import Episode, StepResult
 
 
 @dataclass
@@ -54,7 +59,8 @@ class Trajectory:
 class WorkflowContext:
     """What a workflow may use: the tokenizer, ``score(text, answer) -> (reward, correct)`` (the
     run's scalar reward of one answer and the correctness check's verdict), the context length,
-    the ``environment`` config section, and ``parts``: objects the run's method gives the workflow
+    the ``environment`` config section (a workflow's own keys: ``chosen_keys(env, <its keys
+    dataclass>)``, megarl/plugin/config_parts.py), and ``parts``: objects the run's method gives the workflow
     (``MethodParts.workflow_parts``, e.g. a cross-episode memory)."""
 
     tokenizer: Any
@@ -149,6 +155,8 @@ class RetryTask:
 
     def step(self, action_ids: list[int]) -> StepResult:
         """Score an answer; a wrong one before the last turn gets the feedback observation."""
+        from megarl.rollout.environments import StepResult
+
         self.turn += 1
         self.last_text = self.tok.decode(list(action_ids))
         r, correct = self.score(self.last_text)
@@ -192,6 +200,8 @@ class EpisodeWorkflow:
         self, engine: Any, prompt: str, answer: str, prompt_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Trajectory]:
         """``n`` episodes of ``prompt``."""
+        from megarl.rollout.environments import run_episode
+
         c = self.ctx
 
         async def one(j: int) -> Trajectory:

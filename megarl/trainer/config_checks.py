@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megarl.faults.config import validate_faults
 from megarl.rewards.correctness import correctness_index
-from megarl.trainer.config_ranges import check_ranges
+from megarl.trainer.config_ranges import check_ranges, contributed_parts
 from megarl.trainer.config_sections import ConfigError, TrainConfig
 
 
@@ -127,7 +127,7 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"environment.name={cfg.environment.name!r}; allowed: {', '.join(WORKFLOWS.names())}"
         )
-    _check_teacher(cfg)
+    _check_contributed(cfg)
     try:
         cfg.environment.feedback.format(prompt="")
     except (KeyError, IndexError, ValueError) as e:
@@ -143,22 +143,15 @@ def _check_method_inputs(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_teacher(cfg: TrainConfig) -> None:
-    """An engine-served teacher names its servers (``teacher.urls``; the embedded engine's
-    checkpoint, ``teacher.hf_dir``, is checked when the run builds it, as the Megatron teacher's is)
-    and cannot feed the full-vocabulary distillation modes (they need the teacher's logits)."""
-    from megarl.objectives.distillation import DISTILLATION
-
-    t, d = cfg.teacher, cfg.objective.distill
-    if t.source != "engine":
-        return
-    if d in DISTILLATION.names() and "teacher_logits" in DISTILLATION.info(d).batch_inputs:
-        raise ConfigError(
-            f"objective.distill={d!r} needs the teacher's full-vocabulary logits, which only "
-            "teacher.source=megatron gives (an engine gives logprobs and top-K)"
-        )
-    if t.engine != "embedded" and not t.urls:
-        raise ConfigError(f"teacher.source=engine with teacher.engine={t.engine} needs teacher.urls")
+def _check_contributed(cfg: TrainConfig) -> None:
+    """The checks of the contributed sections and of the chosen keys (megarl/plugin/config_parts.py)."""
+    for _, part, _ in contributed_parts(cfg):
+        if part.check is None:
+            continue
+        try:
+            part.check(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def method_of(cfg: TrainConfig):

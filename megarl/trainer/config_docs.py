@@ -173,7 +173,7 @@ def rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
     hints = typing.get_type_hints(cls)
     comments = _comments(cls)
     out = []
-    for f in dataclasses.fields(cls):
+    for f in C.yaml_fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
@@ -189,15 +189,40 @@ def _section_doc(cls: type) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
+def chosen_rows(section: str, cls: type) -> list[tuple[str, str, str, str]]:
+    """The rows of the keys that choices of ``section``'s selector contribute (its ``CHOSEN_BY``
+    field; megarl/plugin/config_parts.py ``register_keys``), each meaning led by its choice."""
+    from megarl.plugin.config_parts import KEYS
+
+    if not any(f.metadata.get(C.CHOSEN_BY) for f in dataclasses.fields(cls)):
+        return []
+    return [
+        (key, tp, default, f"{choice}: {meaning}" if meaning else "")
+        for choice, part in sorted(KEYS.get(section, {}).items())  # not in import order
+        for key, tp, default, meaning in rows(part.schema, section + ".")
+    ]
+
+
+def contributed_sections() -> dict[str, type]:
+    """Name -> dataclass of the sections other packages contribute (megarl/plugin/config_parts.py)."""
+    from megarl.catalogue import load_config_parts
+    from megarl.plugin.config_parts import SECTIONS
+
+    load_config_parts()
+    return {name: SECTIONS[name].schema for name in sorted(SECTIONS)}  # not in import order
+
+
 def missing_meanings() -> list[str]:
     """Keys that have neither a comment nor a ``MEANINGS`` entry."""
     missing = []
-    for f in dataclasses.fields(C.TrainConfig):
+    for name, cls in contributed_sections().items():
+        missing += [r[0] for r in rows(cls, name + ".") + chosen_rows(name, cls) if not r[3]]
+    for f in C.yaml_fields(C.TrainConfig):
         tp = typing.get_type_hints(C.TrainConfig)[f.name]
         if not dataclasses.is_dataclass(tp):
             missing += [] if MEANINGS.get(f.name) else [f.name]
             continue
-        missing += [r[0] for r in rows(tp, f.name + ".") if not r[3]]
+        missing += [r[0] for r in rows(tp, f.name + ".") + chosen_rows(f.name, tp) if not r[3]]
     for key, item in LIST_ITEMS.items():
         missing += [r[0] for r in rows(item, key + "[].") if not r[3]]
     return missing
@@ -208,7 +233,8 @@ def render() -> str:
     hints = typing.get_type_hints(C.TrainConfig)
     intro = (
         "Every section and key of a `megarl train` config, with its type, default and meaning. "
-        "Generated from the dataclasses in `megarl/trainer/config_sections.py` (and the sections they reuse) by "
+        "Generated from the dataclasses in `megarl/trainer/config_sections.py` (and the sections they reuse, "
+        "and the sections and keys other packages contribute through `megarl/plugin/config_parts.py`) by "
         "`python -m megarl.trainer.config_docs > docs/configuration.md`; a test keeps it in sync."
     )
     usage = (
@@ -221,8 +247,17 @@ def render() -> str:
     from megarl.trainer.config_layers import docs_section
 
     out = ["# Configuration reference", "", intro, "", usage, "", *docs_section()]
-    for f in dataclasses.fields(C.TrainConfig):
-        cls = hints[f.name]
+    contributed = contributed_sections()
+    sections: list[tuple[str, Any, dataclasses.Field | None, str]]
+    sections = [(f.name, hints[f.name], f, "") for f in C.yaml_fields(C.TrainConfig)]
+    for name, cls in contributed.items():
+        owner = f"Contributed by `{cls.__module__}` (megarl/plugin/config_parts.py)."
+        sections.append((name, cls, None, owner))
+    for name, cls, f, owner in sections:
+        if f is None:  # a contributed section
+            out += [f"## `{name}`", "", _section_doc(cls), "", owner, ""]
+            out += _table(rows(cls, name + "."))
+            continue
         if not dataclasses.is_dataclass(cls):  # a free-form section, checked by the parts it configures
             out += [
                 f"## `{f.name}`",
@@ -240,28 +275,26 @@ def render() -> str:
             from megarl.rollout.workflow import WORKFLOW_DOCS
 
             out += [*(f"- `{k}`: {v}" for k, v in WORKFLOW_DOCS.items()), ""]
-        out += [
-            "| key | type | allowed | default | meaning |",
-            "|---|---|---|---|---|",
-        ]
-        for key, tp, default, meaning in rows(cls, f.name + "."):
-            out.append(f"| `{key}` | {tp} | {range_text(key)} | {default} | {meaning} |")
+        out += _table(rows(cls, f.name + ".") + chosen_rows(f.name, cls))[:-1]
         for lkey, item in LIST_ITEMS.items():
             if lkey.startswith(f.name + "."):
-                out += [
-                    "",
-                    f"Each item of `{lkey}`: {_section_doc(item)}",
-                    "",
-                    "| key | type | allowed | default | meaning |",
-                    "|---|---|---|---|---|",
-                ]
-                for key, tp, default, meaning in rows(item, lkey + "[]."):
-                    out.append(f"| `{key}` | {tp} | {range_text(key)} | {default} | {meaning} |")
+                out += ["", f"Each item of `{lkey}`: {_section_doc(item)}", ""]
+                out += _table(rows(item, lkey + "[]."))[:-1]
         out.append("")
     from megarl.trainer.threads import ENV_DOC
 
     out += ENV_DOC + _removed_keys()
     return "\n".join(out)
+
+
+def _table(entries: list[tuple[str, str, str, str]]) -> list[str]:
+    """The markdown table of ``rows`` entries, then an empty line."""
+    out = ["| key | type | allowed | default | meaning |", "|---|---|---|---|---|"]
+    out += [
+        f"| `{key}` | {tp} | {range_text(key)} | {default} | {meaning} |"
+        for key, tp, default, meaning in entries
+    ]
+    return out + [""]
 
 
 def _removed_keys() -> list[str]:

@@ -17,7 +17,14 @@ import yaml
 from megarl.plugin.knobs import as_float_if_number
 from megarl.trainer.config_checks import validate
 from megarl.trainer.config_migrations import check_removed_sections
-from megarl.trainer.config_sections import LIST_ITEM_TYPES, ConfigError, TrainConfig
+from megarl.trainer.config_sections import (
+    CHOSEN_BY,
+    CONTRIBUTED,
+    LIST_ITEM_TYPES,
+    ConfigError,
+    TrainConfig,
+    yaml_fields,
+)
 
 
 def type_name(tp: Any) -> str:
@@ -81,18 +88,35 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
-    """A dataclass ``cls`` from a mapping, every key and value checked."""
+    """A dataclass ``cls`` from a mapping, every key and value checked; the sections and keys other
+    packages contribute (megarl/plugin/config_parts.py) are built into their owners' dataclasses."""
+    from megarl.plugin.config_parts import KEYS, SECTIONS
+
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
+    names = [f.name for f in yaml_fields(cls)]
+    holders = [f for f in dataclasses.fields(cls) if f.metadata.get(CONTRIBUTED) or f.metadata.get(CHOSEN_BY)]
+    contributed: dict[str, type] = {}  # key -> the contributed dataclass it builds (sections)
+    chosen = None  # (holder field name, the part of the selector's choice)
+    selector = ""
+    for f in holders:
+        if f.metadata.get(CONTRIBUTED):
+            contributed = {name: SECTIONS[name].schema for name in sorted(SECTIONS)}
+        if f.metadata.get(CHOSEN_BY):
+            selector = f.metadata[CHOSEN_BY]
+            choice = data.get(selector, _field_default(cls, selector))
+            chosen = (f.name, KEYS.get(prefix, {}).get(choice))
+    own_keys = [f.name for f in dataclasses.fields(chosen[1].schema)] if chosen and chosen[1] else []
+    allowed = names + list(contributed) + own_keys
+    unknown = sorted(set(data) - set(allowed))
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(
-            f"unknown key {where}{unknown[0]}; allowed in {prefix or 'the top level'}: {', '.join(names)}"
+            f"unknown key {where}{unknown[0]}; allowed in {prefix or 'the top level'}: "
+            f"{', '.join(allowed)}{_chosen_hint(prefix, selector, unknown[0])}"
         )
     kw = {}
     for name in names:
@@ -110,7 +134,31 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             ]
         else:
             kw[name] = _coerce(v, tp, key)
+    for f in holders:
+        if f.metadata.get(CONTRIBUTED):
+            kw[f.name] = {n: _build(schema, data.get(n), n) for n, schema in contributed.items()}
+    if chosen and chosen[1]:
+        kw[chosen[0]] = _build(chosen[1].schema, {k: data[k] for k in own_keys if k in data}, prefix)
     return cls(**kw)
+
+
+def _field_default(cls: type, name: str) -> Any:
+    """The default of ``cls``'s field ``name``."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _chosen_hint(prefix: str, selector: str, key: str) -> str:
+    """For a key that another choice of the section's ``selector`` contributes: which ones take it."""
+    from megarl.plugin.config_parts import KEYS
+
+    takers = [
+        c
+        for c, part in KEYS.get(prefix, {}).items()
+        if key in {f.name for f in dataclasses.fields(part.schema)}
+    ]
+    if not selector or not takers:
+        return ""
+    return f" ({prefix}.{key} needs {prefix}.{selector}: {' or '.join(takers)})"
 
 
 def _advantage_from_yaml(d: Any) -> dict:
@@ -130,6 +178,9 @@ def from_dict(data: dict) -> TrainConfig:
     """A validated ``TrainConfig`` from a plain dict (the parsed YAML)."""
     if not isinstance(data, dict):
         raise ConfigError(f"the config must be a mapping of sections, got {type(data).__name__}")
+    from megarl.catalogue import load_config_parts
+
+    load_config_parts()
     data = dict(data)
     check_removed_sections(data)
     if data.get("method") is not None:
@@ -206,10 +257,35 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
 
 def to_dict(cfg: TrainConfig) -> dict:
     """The resolved config as plain data (what ``save_resolved`` writes)."""
-    d = dataclasses.asdict(cfg)
+    d = _flat(cfg)
     adv = d.pop("advantage")
     d["advantage"] = {"estimator": adv["estimator"], **adv["knobs"]}
     return d
+
+
+def _flat(obj: Any) -> Any:
+    """A section as plain data, the contributed sections and keys written where the YAML has them."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return _plain(obj)
+    out: dict = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if f.metadata.get(CONTRIBUTED):
+            out.update({name: _flat(sec) for name, sec in v.items()})
+        elif f.metadata.get(CHOSEN_BY):
+            out.update(_flat(v) if v is not None else {})
+        else:
+            out[f.name] = _flat(v)
+    return out
+
+
+def _plain(v: Any) -> Any:
+    """Lists and mappings with their dataclass items as plain data; other values as they are."""
+    if isinstance(v, list):
+        return [_flat(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _flat(x) for k, x in v.items()}
+    return v
 
 
 def save_resolved(cfg: TrainConfig, run_dir: str | os.PathLike) -> Path:

@@ -8,10 +8,9 @@ A top-level section all of whose keys moved is a removed section.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from megarl.trainer.config_sections import ConfigError, TrainConfig
+from megarl.trainer.config_sections import ConfigError, TrainConfig, yaml_fields
 
 
 def moved_keys() -> dict[str, str]:
@@ -36,7 +35,9 @@ def _leaves(value: Any, prefix: str) -> list[str]:
 
 def check_removed_sections(data: dict) -> None:
     """Raise ``ConfigError`` naming the new key of every key of a removed section in ``data``."""
-    current = {f.name for f in dataclasses.fields(TrainConfig)}
+    from megarl.plugin.config_parts import SECTIONS
+
+    current = {f.name for f in yaml_fields(TrainConfig)} | set(SECTIONS)
     if not set(data) - current:
         return
     moved = moved_keys()

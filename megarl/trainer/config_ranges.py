@@ -4,57 +4,20 @@ right after loading and before any part registry (and torch) is imported.
 A value outside its range would crash the run later or quietly switch something off (a negative
 ``optimizer.clip_grad`` disables clipping, a negative ``schedule.eval_samples`` evaluates all rows
 but that many); the message names the key and the range. NaN and infinity are refused in every
-ranged float and in every reward weight.
+ranged float and in every reward weight. The sections and keys other packages contribute bring
+their own ranges (megarl/plugin/config_parts.py), checked here too.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
-from megarl.trainer.config_sections import ConfigError, TrainConfig
+from megarl.plugin.config_parts import FINITE, KEYS, NON_NEGATIVE, POSITIVE, SECTIONS, ConfigPart, Range
+from megarl.trainer.config_sections import CHOSEN_BY, ConfigError, TrainConfig, yaml_fields
 
+__all__ = ["FINITE", "NON_NEGATIVE", "POSITIVE", "RANGES", "Range", "all_ranges", "check_ranges"]
 
-@dataclass(frozen=True)
-class Range:
-    """``lo``/``hi`` bounds (None = unbounded), open or closed; ``note`` says what a special value
-    means (e.g. "0 = off"); ``none_ok``: null is allowed too."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-    note: str = ""
-    none_ok: bool = False
-
-    def text(self) -> str:
-        """The range as the error message and the docs write it: "> 0", "in [0, 1)", ...."""
-        if self.lo is not None and self.hi is not None:
-            left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
-            return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
-        if self.lo is not None:
-            return f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
-        if self.hi is not None:
-            return f"{'<' if self.hi_open else '<='} {_num(self.hi)}"
-        return "a finite number"
-
-    def holds(self, v: float) -> bool:
-        """Whether ``v`` (a number) is finite and inside the range."""
-        if not math.isfinite(v):
-            return False
-        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
-            return False
-        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-POSITIVE = Range(lo=0, lo_open=True)
-NON_NEGATIVE = Range(lo=0)
-FINITE = Range()
 
 # dotted key -> its range; ``reward.functions[].weight`` applies to every item of the list
 RANGES: dict[str, Range] = {
@@ -70,7 +33,6 @@ RANGES: dict[str, Range] = {
     "rollout.max_new_tokens": POSITIVE,
     "rollout.max_concurrency": POSITIVE,
     "rollout.embedded_batch_rows": POSITIVE,
-    "teacher.max_concurrency": POSITIVE,
     "rollout.server_max_num_seqs": POSITIVE,
     "rollout.server_startup_timeout_s": POSITIVE,
     "data.max_bad_rows": NON_NEGATIVE,
@@ -128,15 +90,50 @@ def _values(cfg: TrainConfig, key: str) -> list[tuple[str, Any]]:
     return [(key, node)]
 
 
+def contributed_parts(cfg: TrainConfig) -> list[tuple[str, ConfigPart, Any]]:
+    """(section name, part, its value) of every contributed section and of every section's chosen
+    keys (megarl/plugin/config_parts.py) in ``cfg``."""
+    out = [(name, part, cfg.sections.get(name)) for name, part in SECTIONS.items()]
+    for f in yaml_fields(TrainConfig):
+        section = getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for g in dataclasses.fields(section):
+            selector = g.metadata.get(CHOSEN_BY)
+            part = KEYS.get(f.name, {}).get(getattr(section, selector)) if selector else None
+            if part is not None:
+                out.append((f.name, part, getattr(section, g.name)))
+    return [(name, part, value) for name, part, value in out if value is not None]
+
+
+def all_ranges() -> dict[str, Range]:
+    """``RANGES`` and the ranges of every contributed section and key (``section.key`` -> range)."""
+    out = dict(RANGES)
+    for name, part in SECTIONS.items():
+        out.update({f"{name}.{k}": r for k, r in part.ranges.items()})
+    for name, choices in KEYS.items():
+        for part in choices.values():
+            out.update({f"{name}.{k}": r for k, r in part.ranges.items()})
+    return out
+
+
+def _check(name: str, v: Any, rng: Range) -> None:
+    if v is None and rng.none_ok:
+        return
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not rng.holds(v):
+        note = f" ({rng.note})" if rng.note else ""
+        raise ConfigError(f"{name}={v!r} must be {rng.text()}{note}")
+
+
 def check_ranges(cfg: TrainConfig) -> None:
-    """Raise ``ConfigError`` naming the first key outside its range (``RANGES``) and the range."""
+    """Raise ``ConfigError`` naming the first key outside its range (``RANGES`` and the contributed
+    ranges) and the range."""
     for key, rng in RANGES.items():
         for name, v in _values(cfg, key):
-            if v is None and rng.none_ok:
-                continue
-            if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not rng.holds(v):
-                note = f" ({rng.note})" if rng.note else ""
-                raise ConfigError(f"{name}={v!r} must be {rng.text()}{note}")
+            _check(name, v, rng)
+    for prefix, part, value in contributed_parts(cfg):
+        for key, rng in part.ranges.items():
+            _check(f"{prefix}.{key}", getattr(value, key), rng)
     _check_pairs(cfg)
 
 
@@ -159,7 +156,7 @@ def range_text(key: str) -> str:
     """The documented range of ``key`` ("" when it has none), for docs/configuration.md."""
     if key == "rollout.top_k":
         return "-1 (off) or >= 1"
-    rng = RANGES.get(key)
+    rng = all_ranges().get(key)
     if rng is None:
         return ""
     return rng.text() + (" or null" if rng.none_ok else "")

@@ -1,12 +1,14 @@
 """The sections of the ``megarl train`` config: one dataclass per YAML section (``TrainConfig`` holds
-them all). Plain data with no torch import, so a config is built and range-checked before anything
-heavy loads; loading lives in ``config_loading``, the checks in ``config_checks``.
+them all, with the sections other packages contribute in ``TrainConfig.sections``). Plain data
+with no torch import, so a config is built and range-checked before anything heavy loads; loading
+lives in ``config_loading``, the checks in ``config_checks``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from megarl.faults.config import FaultsConfig, InjectionConfig
 from megarl.learner.optim_config import OptimConfig
@@ -18,6 +20,19 @@ OptimizerConfig = OptimConfig
 
 class ConfigError(ValueError):
     """A config key or value is wrong; the message names the dotted key and what is allowed."""
+
+
+# field metadata: the field holds contributed sections (``CONTRIBUTED``) or the keys a selector's
+# choice contributes (``CHOSEN_BY``: the selector field); neither is a YAML key itself
+CONTRIBUTED = "contributed"
+CHOSEN_BY = "chosen_by"
+
+
+def yaml_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of a section that are YAML keys (not the holders of contributed keys)."""
+    return [
+        f for f in dataclasses.fields(cls) if not (f.metadata.get(CONTRIBUTED) or f.metadata.get(CHOSEN_BY))
+    ]
 
 
 @dataclass
@@ -158,38 +173,19 @@ class AdvantageConfig:
 
 
 @dataclass
-class TeacherConfig:
-    """The teacher of on-policy distillation (``objective.distill``); its logprobs of the sampled
-    tokens fill ``batch.teacher_logprobs`` (docs/distillation.md). ``source: megatron``: the HF
-    checkpoint ``hf_dir`` (sharing the policy's vocabulary) run forward-only beside the learner
-    under the run's layout. ``source: engine``: a rollout engine serving the teacher scores the
-    student's tokens (``engine: vllm`` / ``sglang`` servers at ``urls``, keys from ``key_file``;
-    ``embedded``: ``hf_dir`` in rank 0's process)."""
-
-    hf_dir: str | None = None  # the teacher's HF checkpoint directory (config.json + safetensors)
-    source: Literal["megatron", "engine"] = "megatron"  # who computes the teacher's logprobs
-    engine: Literal["vllm", "sglang", "embedded"] = "vllm"  # source: engine
-    urls: list = field(default_factory=list)  # source: engine, vllm/sglang: the teacher's servers
-    model: str = "teacher"  # vLLM's --served-model-name of the teacher
-    key_file: str | None = None  # JSON {"api_key", "admin_key"} of the teacher's servers (mode 0600)
-    max_concurrency: int = 16  # scoring requests in flight per teacher server
-
-
-@dataclass
 class EnvironmentConfig:
     """The rollout workflow: ``name`` picks one of megarl/rollout/workflow.py ``WORKFLOWS`` (``none``:
     one answer per sample); the other keys are that workflow's settings, each documented with the
-    workflow in docs/agents.md and docs/configuration.md."""
+    workflow in docs/agents.md and docs/configuration.md. A workflow may declare keys of its own
+    (megarl/plugin/config_parts.py ``register_keys``), written beside these and allowed only with
+    that ``name``."""
 
     name: str = "none"  # a WORKFLOWS name (megarl/rollout/workflow.py)
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
     instructions: list[str] = field(default_factory=list)  # instructed: texts sampled after the prompt
-    after_review: str = " {prompt}"  # review: the observation after the review (template over {prompt})
-    trajectories: str | None = None  # reflect: jsonl of {"prompt", "trajectory"} (reference attempts)
-    reflect_template: str = "{trajectory}"  # reflect: the context after the prompt ({trajectory})
-    reflect_frac: float = 0.5  # reflect: share of a prompt's n samples that reflect (and are copied)
-    reflect_anneal_steps: int = 0  # reflect: reflect_frac falls linearly to 0 over these versions
+    # the chosen workflow's own keys (its dataclass; no YAML key of its own)
+    chosen: Any = field(default=None, metadata={CHOSEN_BY: "name"})
 
 
 @dataclass
@@ -289,7 +285,6 @@ class TrainConfig:
         default_factory=dict
     )  # knobs of batch-input providers: {<input name>: {<knob>: value}}
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -298,6 +293,9 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     async_loop: AsyncLoopConfig = field(default_factory=AsyncLoopConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)  # docs/faults.md
+    # the sections other packages contribute (name -> the owner's dataclass; no YAML key of its own):
+    # read them with megarl.plugin.config_parts.section_of
+    sections: dict = field(default_factory=dict, metadata={CONTRIBUTED: True})
 
 
 # Lists whose items are sections themselves.

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megarl.plugin.engine_teacher import EngineTeacherPass
+from megarl.plugin.teacher_config import teacher_config
 from megarl.rollout.embedded import EmbeddedEngine, teacher_forced_logprobs
 from megarl.rollout.scoring import parse_sglang_scores, parse_vllm_scores
 from megarl.rollout.types import BadRequestError, RolloutError
@@ -119,6 +120,6 @@ def test_engine_teacher_config_is_checked():
 
     embedded = from_dict({**base, "teacher": {"source": "engine", "engine": "embedded"}})  # loads as written
     with pytest.raises(ValueError, match="teacher.engine=embedded needs teacher.hf_dir"):
-        teacher_engines(embedded.teacher)  # and is refused when the run builds its teacher
+        teacher_engines(teacher_config(embedded))  # and is refused when the run builds its teacher
     with pytest.raises(ConfigError, match="teacher.source"):
         from_dict({**base, "teacher": {"source": "hub"}})

@@ -23,7 +23,7 @@ from megarl.methods.agents.reflectrl import LOGPROBS, reflectrl_loss
 from megarl.methods.distillation.self_teacher import ON
 from megarl.objectives.policy_losses import ppo
 from megarl.objectives.rl_objective import ObjectiveConfig
-from megarl.rollout.reflect import CONTEXT, ROLE, ReflectWorkflow
+from megarl.rollout.reflect import CONTEXT, ROLE, ReflectKeys, ReflectWorkflow
 from megarl.rollout.types import SamplingParams
 from megarl.rollout.workflow import WorkflowContext
 from tests.methods.helpers import load_example
@@ -114,12 +114,7 @@ def _workflow(tmp_path, rows, frac=0.5, anneal=0):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     class Env:
-        trajectories, reflect_template, reflect_frac, reflect_anneal_steps = (
-            str(path),
-            " no: {trajectory}.",
-            frac,
-            anneal,
-        )
+        chosen = ReflectKeys(str(path), " no: {trajectory}.", frac, anneal)
 
     score = lambda text, answer: (float(text.strip() == answer), text.strip() == answer)  # noqa: E731
     return tok, ReflectWorkflow(WorkflowContext(tok, score, 64, Env()))

@@ -30,12 +30,13 @@ from megarl.objectives.api import GlobalNormalisers, LossContext
 from megarl.objectives.rl_objective import ObjectiveConfig, build_objective
 from megarl.plugin.inputs import RolloutInfo
 from megarl.rewards.compute import RewardComputer
-from megarl.rollout.review import ReviewWorkflow
+from megarl.rollout.review import ReviewKeys, ReviewWorkflow
 from megarl.rollout.types import GenerateResult, Sample, SamplingParams
 from megarl.rollout.workflow import WorkflowContext
 from megarl.trainer.allocation import allocator_from_config
 from megarl.trainer.collector import RolloutCollector
-from megarl.trainer.config import from_dict
+from megarl.trainer.config import ConfigError, from_dict
+from megarl.trainer.config_sections import EnvironmentConfig
 from megarl.trainer.method_runtime import MethodRuntime
 from megarl.trainer.rollouts import batch_from_json, batch_to_json, build_batch, rollouts_from_groups
 from tests.methods.trust_regions_harness import (
@@ -309,12 +310,13 @@ def test_the_review_workflow_through_the_collector_uses_and_fills_the_memory():
     assert (
         mem.entries[-2:] == [("R 21=", "5"), ("R 21=", "5")] and mem.added == 3
     )  # successful reviews stored
-    bad = from_dict(
-        {
-            "model": {"alphabet": ALPHABET, "hf_config": {"model_type": "qwen3"}},
-            "data": {"train": "unused.jsonl"},
-            "environment": {"name": "review", "after_review": "{x}"},
-        }
-    )
-    with pytest.raises(ValueError, match="environment.after_review"):
-        ReviewWorkflow(WorkflowContext(tok, score, None, bad.environment))
+    bad = {
+        "model": {"alphabet": ALPHABET, "hf_config": {"model_type": "qwen3"}},
+        "data": {"train": "unused.jsonl"},
+        "environment": {"name": "review", "after_review": "{x}"},
+    }
+    with pytest.raises(ConfigError, match="environment.after_review"):  # at load
+        from_dict(bad)
+    bad_env = EnvironmentConfig(name="review", chosen=ReviewKeys(after_review="{x}"))
+    with pytest.raises(ValueError, match="environment.after_review"):  # and when built in code
+        ReviewWorkflow(WorkflowContext(tok, score, None, bad_env))

@@ -26,6 +26,7 @@ from megarl.methods.distillation.teacher_solutions import (
     verified,
 )
 from megarl.plugin.inputs import RolloutInfo
+from megarl.plugin.teacher_config import TeacherConfig
 from megarl.trainer.method_runtime import AdvantageStage, MethodRuntime
 
 HF = {"model_type": "qwen3", "vocab_size": 40, "hidden_size": 32, "num_hidden_layers": 2, "eos_token_id": 1}
@@ -125,7 +126,8 @@ def test_appended_solutions_carry_their_prompt_and_reach_the_sft_term_only_when_
 def test_the_sampler_follows_the_teacher_and_the_refused_case_is_named():
     def cfg(source="megatron", engine="embedded"):
         return SimpleNamespace(
-            teacher=SimpleNamespace(source=source, hf_dir="runs/t"), rollout=SimpleNamespace(engine=engine)
+            sections={"teacher": TeacherConfig(source=source, hf_dir="runs/t")},
+            rollout=SimpleNamespace(engine=engine),
         )
 
     same = {**HF, "eos_token_id": 3, "torch_dtype": "bfloat16"}  # special ids and dtype do not count
@@ -161,7 +163,8 @@ def test_the_runtime_calls_extenders_and_copies_their_extras():
     b, info = _batch([1.0, 0.0], [0, 1])  # the hook selects nothing: no solutions, the flag is 0
     ctx = SimpleNamespace(
         cfg=SimpleNamespace(
-            teacher=SimpleNamespace(source="megatron", hf_dir="t"), rollout=SimpleNamespace(engine="embedded")
+            sections={"teacher": TeacherConfig(source="megatron", hf_dir="t")},
+            rollout=SimpleNamespace(engine="embedded"),
         ),
         hf_config=HF,
         rank0=False,

@@ -247,6 +247,7 @@ def _state_summary(run) -> dict:
 def _setup(run, model: str) -> Path:
     """Everything the examples share: process group, layout, data, initial policy, engine."""
     from megarl.learner.parallel import ParallelLayout, init_distributed, initialize_parallel
+    from megarl.plugin.teacher_config import teacher_config
     from megarl.rundir import INIT_POLICY
     from megarl.trainer.config import check_layout
     from megarl.trainer.setup import load_datasets, tokenizer_and_hf_config
@@ -277,7 +278,7 @@ def _setup(run, model: str) -> Path:
         run.run_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     run_warmup(run, init_dir)
-    run.teacher_info = _fit_teacher(run, model, Path(cfg.teacher.hf_dir), init_dir)
+    run.teacher_info = _fit_teacher(run, model, Path(teacher_config(cfg).hf_dir), init_dir)
     dist.barrier()
     run.build_engine()
     return init_dir

@@ -4,6 +4,7 @@ from pathlib import Path
 
 from megarl.trainer import config_docs
 from megarl.trainer.config import TrainConfig
+from megarl.trainer.config_sections import yaml_fields
 
 DOC = Path(__file__).parents[2] / "docs" / "configuration.md"
 
@@ -21,10 +22,11 @@ def test_docs_configuration_md_is_in_sync():
 
 def test_every_section_and_key_is_listed():
     text = DOC.read_text()
-    import dataclasses
-
-    for f in dataclasses.fields(TrainConfig):
+    for f in yaml_fields(TrainConfig):
         assert f"## `{f.name}`" in text
+    for name in config_docs.contributed_sections():  # with their owner's text
+        assert f"## `{name}`" in text
+    assert "## `sections`" not in text and "environment.chosen" not in text
     for key in (
         "async_loop.max_staleness",
         "async_loop.partial_rollout",
@@ -33,6 +35,9 @@ def test_every_section_and_key_is_listed():
         "logging.progress",
         "reward.functions[].kind",
         "schedule.old_logprobs",
+        "teacher.hf_dir",
+        "environment.after_review",
+        "environment.reflect_anneal_steps",
     ):
         assert f"| `{key}` |" in text, key
     assert "'math_verify'" in text

@@ -20,6 +20,7 @@ from megarl.plugin.context import RunContext
 from megarl.plugin.core_inputs import teacher_hf_config
 from megarl.plugin.inputs import RolloutInfo
 from megarl.plugin.rounds import RolloutRound
+from megarl.plugin.teacher_config import teacher_config
 from megarl.rewards.shaping.cedar import evidence_items
 from megarl.rewards.shaping.judge import JudgeTokenizer
 from megarl.rewards.shaping.processor import ShapingProcessor
@@ -326,7 +327,7 @@ def test_teacher_needs_a_checkpoint_with_the_policy_vocabulary(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "qwen3", "vocab_size": 32, "eos_token_id": 9})
     )
-    cfg.teacher.hf_dir = str(tmp_path)
+    teacher_config(cfg).hf_dir = str(tmp_path)
     with pytest.raises(ValueError, match="vocab_size 32 differs from the policy's 24"):
         teacher_hf_config(cfg, {"vocab_size": 24})
     hf = teacher_hf_config(cfg, {"vocab_size": 32, "eos_token_id": 1})

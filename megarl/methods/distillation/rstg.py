@@ -42,6 +42,7 @@ from megarl.ops.quantile import top_fraction_threshold
 from megarl.ops.segments import _dense_groups, broadcast_to_tokens, segment_sum
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.spec import MethodParts, MethodSpec
+from megarl.plugin.teacher_config import teacher_config
 from megarl.registry import PartInfo
 
 WEIGHT, SFT, THR_H, THR_D = "rstg_weight", "rstg_sft", "rstg_thr_entropy", "rstg_thr_divergence"
@@ -219,7 +220,7 @@ def build(ctx, knobs: RSTGKnobs) -> MethodParts:
         )
     from megarl.plugin.core_inputs import teacher_hf_config
 
-    sampled = knobs.teacher_samples > 0 and cfg.teacher.source != "engine"
+    sampled = knobs.teacher_samples > 0 and teacher_config(cfg).source != "engine"
     teacher_hf = teacher_hf_config(cfg, ctx.hf_config) if sampled else None
     thr = float(dict(cfg.objective.policy_loss_args).get("correct_threshold", 0.5))
     hook = TeacherSolutions(

@@ -46,6 +46,7 @@ from megarl.ops.segments import broadcast_to_tokens, group_all_equal, group_mean
 from megarl.ops.vocab_parallel import vocab_parallel_gather_logprobs, vocab_parallel_logsumexp
 from megarl.plugin.knobs import Knobs
 from megarl.plugin.spec import MethodParts, MethodSpec
+from megarl.plugin.teacher_config import teacher_config
 from megarl.registry import PartInfo
 
 GATE = "skald_gate"  # extras [B]: 1.0 where the sample's prompt is distilled
@@ -233,7 +234,7 @@ def _external_accuracy(ctx, samples: int, threshold: float):
             "method skald: method.teacher_samples > 0 with an external teacher samples it within the "
             "step: set async_loop.enabled: false"
         )
-    teacher_hf = teacher_hf_config(cfg, ctx.hf_config) if cfg.teacher.source != "engine" else None
+    teacher_hf = teacher_hf_config(cfg, ctx.hf_config) if teacher_config(cfg).source != "engine" else None
     return TeacherSolutions(
         ctx,
         lambda b: torch.ones(b.num_seqs, dtype=torch.bool),

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megarl.batch import PackedBatch, from_sequences
 from megarl.plugin.inputs import RolloutInfo
+from megarl.plugin.teacher_config import teacher_config
 
 TEACHER_SOLUTION = "teacher_solution"  # extras [B]: 1.0 on teacher-written sequences
 SOLUTION_ROUND = 1000  # the sampling round index of teacher solutions (seeds apart from rollouts)
@@ -68,7 +69,7 @@ def architecture_difference(teacher_hf: dict, policy_hf: dict) -> str | None:
 def sampler_kind(cfg: Any, teacher_hf: dict | None, policy_hf: dict) -> str:
     """``teacher_engine``, ``run_engine`` or ``embedded`` (see the module docstring); raises
     ``TeacherArchitectureError`` for the refused case, ``ValueError`` without a teacher."""
-    t = cfg.teacher
+    t = teacher_config(cfg)
     if t.source == "engine":
         return "teacher_engine"
     if not t.hf_dir or teacher_hf is None:
@@ -243,7 +244,7 @@ class TeacherSolutions:
         if self._engines is None:
             from megarl.plugin.engine_teacher import teacher_engines
 
-            t = self.ctx.cfg.teacher
+            t = teacher_config(self.ctx.cfg)
             if self.kind == "teacher_engine":
                 self._engines = teacher_engines(t)
             else:
@@ -251,7 +252,7 @@ class TeacherSolutions:
 
                 eos = [self.ctx.tokenizer.eos_id]
                 self._engines = [
-                    EmbeddedEngine.from_pretrained(t.hf_dir, name="teacher-sampler", eos_token_ids=eos)
+                    EmbeddedEngine.from_pretrained(str(t.hf_dir), name="teacher-sampler", eos_token_ids=eos)
                 ]
         return self._engines
 
@@ -260,7 +261,7 @@ class TeacherSolutions:
         ctx, cu, pl = self.ctx, batch.cu_seqlens.tolist(), batch.prompt_lens.tolist()
         engines = self.engines()
         if self.kind == "run_engine":  # the teacher's weights until the step's weight sync
-            ctx.run_coroutine(engines[0].update_weights(str(ctx.cfg.teacher.hf_dir), "teacher"))
+            ctx.run_coroutine(engines[0].update_weights(str(teacher_config(ctx.cfg).hf_dir), "teacher"))
         prompts = [batch.tokens[cu[i] : cu[i] + pl[i]].tolist() for i in firsts]
         params = [ctx.sampling(step, SOLUTION_ROUND, j) for j in range(len(firsts))]
 
