@@ -5,7 +5,7 @@ the allocator decides how many prompts each round samples and which groups stay 
 allocator instead decides per prompt as samples land: megarl/trainer/streaming.py; a prefix
 allocator continues only chosen short prefixes: megarl/trainer/prefix_rounds.py; a
 ``PromptChooser`` picks the prompts itself instead of the shuffled sampler); the workflow
-turns each prompt into ``n`` trajectories through the engine; the run's reward functions score
+turns each prompt into ``n`` samples through the engine; the run's reward functions score
 them; the round processors (reward shaping, judges, method scores) run in order. The synchronous
 loop runs it to completion per step; the asynchronous loop runs it ahead in its producer thread
 with a gated engine (megarl/trainer/rollout_producer.py). Sampling seeds depend only on (seed,
@@ -161,7 +161,7 @@ class RolloutCollector:
         return new
 
     def records(self, trajs: list, v0: int, v1: int) -> list[SampleRecord]:
-        """A prompt's trajectories as sample records (``v0``/``v1``: the policy version before and
+        """A prompt's samples as sample records (``v0``/``v1``: the policy version before and
         after they were generated, for samples that carry none)."""
         return [
             SampleRecord(

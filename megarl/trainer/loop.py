@@ -5,7 +5,7 @@ One step::
     rollouts (the run's rollout source: the collector now, or the async producer's queue)
       -> broadcast to every rank -> packed batch   (or the method's batch source's batch)
       -> sequences a step hook appends (``BatchExtender``: every rank, before the learner inputs)
-      -> learner inputs (old logprobs, entropies, reference, teacher: one pass each, as required)
+      -> learner inputs (old logprobs, entropies, frozen models' passes: one each, as required)
       -> batch inputs (turn structure, method extras, reward dimensions) -> advantages
       -> ppo_epochs x mini_batches optimizer steps (step hooks around them)
       -> weight sync to the engine -> metrics -> checkpoint

@@ -1,7 +1,7 @@
 """The run's method machinery, composed from registered parts; the trainer never names a method.
 
 ``required_inputs`` reads what the configured parts declare (``PartInfo.batch_inputs``; a KL or
-distillation coefficient needs the reference or the teacher; the method spec's own ``inputs``).
+distillation coefficient needs its frozen model's input; the method spec's own ``inputs``).
 ``MethodRuntime`` holds, per run: the advantage stage (estimator + its state), the learner passes
 and batch fillers of the required inputs, rank 0's round processors (the reward shaper, round
 providers, the method's own), the step hooks, and their checkpoint state. It is built in two

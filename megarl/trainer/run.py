@@ -3,9 +3,10 @@
 Phases (each a method, so tools such as the per-example smoke runner can rebuild one part):
 ``setup`` (tokenizer, datasets, process groups, run directory, reward functions, sampler),
 ``initial_policy`` (warm-up when needed), ``build_learners`` (the policy, the learner-side method
-parts: reference, teacher, input passes; the objective), ``build_engine`` (rank 0's rollout engine
-and the event loop it runs on), ``build_rank0_parts`` (round processors, the method's own parts,
-the rollout collector) and ``build_faults``. The step loop (megarl/trainer/loop.py) only steps.
+parts: reference and other frozen-model input passes; the objective), ``build_engine`` (rank 0's
+rollout engine and the event loop it runs on), ``build_rank0_parts`` (round processors, the
+method's own parts, the rollout collector) and ``build_faults``. The step loop
+(megarl/trainer/loop.py) only steps.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def budget_metrics(rs: dict) -> dict:
 def batch_metrics(batch) -> dict:
     """Advantage statistics, the old-vs-rollout logprob gap (a check of the weight sync and of the
     two forwards) and the old-vs-reference KL. A batch with no loss token left (a method that drops
-    every trajectory of the step) reports advantages of 0 and no logprob statistics."""
+    every sample of the step) reports advantages of 0 and no logprob statistics."""
     m = batch.loss_mask.bool()
     adv = batch.advantages[m]
     rec = {
