@@ -308,11 +308,6 @@ class EmbeddedEngine(RolloutEngine):
     async def health(self) -> bool:
         return self.dead_reason is None
 
-    async def close(self) -> None:
-        """Shut down and wait (up to 30 s) for the worker thread: requests nobody awaits any more
-        stop instead of decoding on while the interpreter exits."""
-        await asyncio.to_thread(self.shutdown, "closed", 30.0)
-
     def shutdown(self, reason: str = "shut down", wait: float | None = None) -> None:
         """Stop serving: in-flight requests fail at their next decode step, later ones at once.
         With ``wait``, block up to that many seconds until the worker thread has stopped (a daemon
