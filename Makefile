@@ -22,7 +22,8 @@ setup-python:
 setup-sglang:
 	bash tests/setup/40-sglang.sh
 
-# TRL 1.16.0 in .venv-trl for the peer benchmark (opt-in; needs .venv: benchmarks/peers/, docs/benchmarks.md).
+# TRL 1.16.0 in .venv-trl for the peer benchmark (needs .venv: benchmarks/peers/, docs/benchmarks.md);
+# `make setup` installs it too unless MEGARL_SKIP_TRL_SETUP=1.
 setup-trl:
 	bash tests/setup/50-trl.sh
 
