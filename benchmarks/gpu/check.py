@@ -5,9 +5,11 @@ the learner in bf16 with the Transformer Engine layer spec where TE is installed
 local spec), THD packing, grouped-GEMM experts; logprob parity of a tiny Qwen3 and a tiny Qwen3-MoE
 against HF transformers; packed rows against one sequence at a time; the fused output layer against
 the unfused one; the learner step's time, MFU and peak memory on a larger dense model; then a short
-GRPO run with a vLLM server on the same GPU and in-memory weight sync (when a vLLM venv exists).
+GRPO run with a vLLM server on the same GPU and in-memory weight sync (when a vLLM venv exists),
+and, with two GPUs, the in-memory sync over NCCL to a vLLM server on the second GPU.
 ``--device cpu`` runs the same checks in fp32 on the CPU path (how CI keeps this script working).
-Exit status: 1 when a parity check fails, 0 otherwise (a skipped check is printed as skipped).
+Exit status: 1 when a parity check or the NCCL sync check fails, 0 otherwise (a skipped check is
+printed as skipped).
 """
 
 from __future__ import annotations
@@ -231,7 +233,8 @@ def vllm_python() -> str | None:
 
 def check_grpo_vllm(workdir: str, device: str, steps: int) -> None:
     """A short GRPO run of the quickstart with a vLLM server launched on this machine, weights sent in
-    memory; prints generation tokens/s and the weight-sync time from the run's metrics."""
+    memory (over gloo: the server shares the learner's GPU, the channel is read from the server's
+    log); prints generation tokens/s and the weight-sync time from the run's metrics."""
     py = vllm_python()
     if py is None:
         line("grpo + vllm", "skipped: no vLLM venv (MEGARL_VLLM_PYTHON or .venv-vllm)")
@@ -252,11 +255,116 @@ def check_grpo_vllm(workdir: str, device: str, steps: int) -> None:
     rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if '"time/step"' in x]
     tok = statistics.median(r["perf/rollout_tokens_per_s"] for r in rows if "perf/rollout_tokens_per_s" in r)
     sync = statistics.median(r["time/sync"] for r in rows if "time/sync" in r)
+    # the run's server shares the learner's GPU, where NCCL cannot go (two ranks on one GPU): gloo
+    channel = sync_channel(os.path.join(run_dir, "vllm-server", "server.log"))
+    if channel != "gloo":
+        line("grpo + vllm", f"FAILED: weight sync channel {channel or 'not found'}, expected gloo")
+        return
     line(
         "grpo + vllm",
         f"{len(rows)} steps in {time.perf_counter() - t0:.0f} s; generation {tok:.0f} tok/s; "
-        f"weight sync {sync * 1e3:.1f} ms",
+        f"weight sync ({channel}) {sync * 1e3:.1f} ms",
     )
+
+
+def sync_channel(log_path: str) -> str | None:
+    """The backend of the in-memory weight channel the vLLM server's workers joined (the receiver
+    logs "joined the trainer's <backend> channel"), or None."""
+    found = None
+    if os.path.exists(log_path):
+        for text in open(log_path, errors="replace"):
+            if "megarl_vllm_receiver:" in text and "joined the trainer's " in text:
+                found = text.split("joined the trainer's ", 1)[1].split()[0]
+    return found
+
+
+def check_nccl_sync(workdir: str, device: str) -> bool:
+    """The in-memory weight sync to vLLM over NCCL: a server on the second GPU (NCCL cannot put two
+    ranks on one GPU), the trainer's tensors on the first. Greedy tokens after the in-memory sync
+    must equal those after a disk reload of the same weights, and syncing the first weights back
+    must restore the first tokens; prints the channel's backend and the sync time next to a disk
+    write + reload. Returns False on a mismatch or a failed sync."""
+    name = "nccl sync"
+    if device != "cuda":
+        line(name, "skipped: needs CUDA")
+        return True
+    if torch.cuda.device_count() < 2:
+        line(name, "skipped: needs two GPUs (NCCL cannot put the trainer and the server on one GPU)")
+        return True
+    py = vllm_python()
+    if py is None:
+        line(name, "skipped: no vLLM venv (MEGARL_VLLM_PYTHON or .venv-vllm)")
+        return True
+    import asyncio
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.rollout.server_process import VLLMServerConfig, launch_vllm
+    from megarl.rollout.types import SamplingParams
+    from megarl.testing.tiny_qwen3 import build_tiny_qwen3
+
+    root = Path(workdir) / "nccl-sync"
+    v1, v2 = build_tiny_qwen3(root / "v1", seed=0), build_tiny_qwen3(root / "v2", seed=1)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    second = visible[1] if len(visible) > 1 else "1"  # the physical id of this process's cuda:1
+    torch.cuda.set_device(0)
+    cfg = VLLMServerConfig(
+        model_dir=str(v1), python=py, served_model_name="tiny", dtype="bfloat16",
+        work_dir=str(root / "server"), extra_env={"CUDA_VISIBLE_DEVICES": second},
+        extra_args=["--gpu-memory-utilization", "0.3"], startup_timeout_s=300,
+    )  # fmt: skip
+    state = {k: load_file(str(v / "model.safetensors"), device="cuda:0") for k, v in (("v1", v1), ("v2", v2))}
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    prompt = list(range(5, 25))
+
+    async def go(eng) -> tuple[bool, str]:
+        async def tokens() -> list:
+            return (await eng.generate(prompt, sampling=greedy)).samples[0].token_ids
+
+        t1 = await tokens()
+        await eng.update_weights_from_tensors(state["v2"], "m2")  # opens the channel
+        m2 = await tokens()
+        await eng.update_weights_from_tensors(state["v1"], "m1")
+        back = await tokens()
+        t0 = time.perf_counter()
+        await eng.update_weights_from_tensors(state["v2"], "m2b")
+        t_mem = time.perf_counter() - t0
+        disk = root / "v2-disk"
+        t0 = time.perf_counter()
+        disk.mkdir(exist_ok=True)
+        for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            if (v2 / f).exists():
+                (disk / f).write_bytes((v2 / f).read_bytes())
+        save_file({k: t.cpu() for k, t in state["v2"].items()}, str(disk / "model.safetensors"))
+        await eng.update_weights(str(disk), "d2")
+        t_disk = time.perf_counter() - t0
+        d2 = await tokens()
+        ok = m2 == d2 and back == t1
+        backend = eng._channel.backend
+        what = "equal" if ok else f"DIFFER (memory {m2}, disk {d2}, restored {back == t1})"
+        return ok and backend == "nccl", (
+            f"backend {backend}; greedy tokens after the sync and after a disk reload {what}; "
+            f"sync {t_mem * 1e3:.1f} ms, disk write + reload {t_disk * 1e3:.1f} ms"
+        )
+
+    try:
+        server = launch_vllm(cfg)
+    except Exception as e:  # a server that does not start is a failed check, printed
+        line(name, f"FAILED: the vLLM server did not start ({str(e).splitlines()[0]})")
+        return False
+    try:
+
+        async def run() -> tuple[bool, str]:
+            async with server.client() as eng:
+                return await go(eng)
+
+        ok, text = asyncio.run(run())
+    except Exception as e:
+        ok, text = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        server.stop()
+    line(name, text if ok else f"FAILED: {text}")
+    return ok
 
 
 def main() -> int:
@@ -267,7 +375,7 @@ def main() -> int:
         "--step-tokens", type=int, default=None, help="tokens of the timed step (cuda 16384, cpu 512)"
     )
     ap.add_argument("--grpo-steps", type=int, default=20)
-    ap.add_argument("--skip", default="", help="comma list of: parity, step, grpo")
+    ap.add_argument("--skip", default="", help="comma list of: parity, step, sync, grpo")
     args = ap.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cpu":
@@ -295,9 +403,11 @@ def main() -> int:
         tokens = args.step_tokens or (16384 if device == "cuda" else 512)
         hidden, layers = (2048, 16) if device == "cuda" else (256, 2)
         check_step(workdir, dtype, device, tokens, hidden, layers)
+    if "sync" not in skip:
+        ok &= check_nccl_sync(workdir, device)
     if "grpo" not in skip:
         check_grpo_vllm(workdir, device, args.grpo_steps)
-    line("result", "OK" if ok else "FAIL: a parity check failed")
+    line("result", "OK" if ok else "FAIL: a parity or sync check failed")
     return 0 if ok else 1
 
 

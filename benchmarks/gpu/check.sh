@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu/check.sh                  # run the checks; skipped (exit 0) without a GPU
 #   MEGARL_GPU_SETUP=1 bash benchmarks/gpu/check.sh   # first make .venv-gpu (torch CUDA + megarl[gpu])
 #                                                     # and .venv-vllm (vLLM), with network access
-# Arguments go to benchmarks/gpu/check.py (--skip parity,step,grpo; --step-tokens N; --device cpu).
+# Arguments go to benchmarks/gpu/check.py (--skip parity,step,sync,grpo; --step-tokens N; --device cpu).
 # Python: MEGARL_GPU_PYTHON, else .venv-gpu/bin/python, else .venv/bin/python.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

@@ -50,17 +50,32 @@ class VLLMEngine(HttpEngine):
       model: the ``--served-model-name``.
       reference_weights_dir: a checkpoint of the served model; its tensor names are what a new
         weights directory must contain (checked before every reload).
+      weight_sync_backend: the in-memory sync's backend; None (the default) follows the server's
+        workers' device: gloo for CPU workers, NCCL for CUDA ones on other GPUs than this
+        process's, gloo for a server on this process's GPU (``memory_sync.choose_backend``).
 
     Routed experts (MoE replay) come back in ``Sample.routed_experts`` when the server was started
     with ``--enable-return-routed-experts`` (a server-wide switch in vLLM 0.32, not per request).
     """
 
     def __init__(
-        self, base_url: str, model: str, *, reference_weights_dir: str | os.PathLike | None = None, **kw: Any
+        self,
+        base_url: str,
+        model: str,
+        *,
+        reference_weights_dir: str | os.PathLike | None = None,
+        weight_sync_backend: str | None = None,
+        **kw: Any,
     ):
         kw.setdefault("name", f"vllm@{base_url.split('://')[-1].rstrip('/')}")
         super().__init__(base_url, **kw)
+        if weight_sync_backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                f"weight_sync_backend must be None, 'gloo' or 'nccl', got {weight_sync_backend!r}"
+            )
         self.model = model
+        self.weight_sync_backend = weight_sync_backend
+        self._channel_plan_cache: tuple[int, str] | None = None
         self._reference_names = (
             check_weights_dir(reference_weights_dir) if reference_weights_dir is not None else None
         )
@@ -203,18 +218,21 @@ class VLLMEngine(HttpEngine):
                     f"{self.name}: in-memory weights do not match the served model: "
                     f"missing {missing[:5]}, unknown {unknown[:5]}"
                 )
+        await self._channel_plan()  # refusals (no receiver, NCCL without CUDA) before the pause
         await super().pause()
         try:
             await self.request("POST", "/pause", params={"mode": "wait"}, admin=True)
             channel = await self._weight_channel()
-            received, sent = await asyncio.gather(
-                self._rpc("megarl_receive_weights"),
-                asyncio.to_thread(channel.send, buckets),
-                return_exceptions=True,
-            )
+            receiving = asyncio.ensure_future(self._rpc("megarl_receive_weights"))
+            sending = asyncio.ensure_future(asyncio.to_thread(channel.send, buckets))
+            await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_EXCEPTION)
+            if receiving.done() and receiving.exception() is not None and not sending.done():
+                channel.cancel()  # the workers are gone: an NCCL send stops waiting on them
+            received, sent = await asyncio.gather(receiving, sending, return_exceptions=True)
             failure = next((o for o in (sent, received) if isinstance(o, BaseException)), None)
-            if failure is None and any(r.get("crc32") != sent for r in received):
-                failure = RolloutError(f"bucket checksums differ: sent {sent}, workers {received}")
+            key = channel.checksum_key
+            if failure is None and any(r.get(key) != sent for r in received):
+                failure = RolloutError(f"bucket checksums ({key}) differ: sent {sent}, workers {received}")
             if failure is not None:
                 self.mark_dead(f"in-memory weight sync failed: {failure}")
                 raise EngineDeadError(
@@ -236,6 +254,28 @@ class VLLMEngine(HttpEngine):
         )
         return list((body or {}).get("results", []))
 
+    async def _channel_plan(self) -> tuple[int, str]:
+        """(workers, backend) of this server's channel, asked once: the workers answer their device
+        (``/collective_rpc megarl_worker_device``) and ``memory_sync.choose_backend`` picks from it
+        and ``weight_sync_backend``. Raises ``RolloutError`` when the server has no receiver, or
+        NCCL is needed and cannot run (no CUDA device here, CPU workers, a shared GPU)."""
+        from megarl.rollout.memory_sync import choose_backend
+
+        if self._channel_plan_cache is not None:
+            return self._channel_plan_cache
+        try:
+            workers = await self._rpc("megarl_worker_device")
+        except RolloutError as e:
+            raise RolloutError(
+                f"{self.name}: the server has no megarl weight receiver (start it with "
+                "--worker-extension-cls megarl_vllm_receiver.MegarlWeightReceiver and "
+                "megarl/rollout/vllm_ext on PYTHONPATH, as launch_vllm does) or use "
+                f"rollout.weight_sync: disk ({e})"
+            ) from e
+        backend = choose_backend(workers, self.name, self.weight_sync_backend)
+        self._channel_plan_cache = (len(workers), backend)
+        return self._channel_plan_cache
+
     async def _weight_channel(self):
         """The channel to this server's workers, opened on first use."""
         import asyncio
@@ -244,16 +284,10 @@ class VLLMEngine(HttpEngine):
 
         if getattr(self, "_channel", None) is not None:
             return self._channel
-        try:
-            workers = len(await self._rpc("megarl_count_workers"))
-        except RolloutError as e:
-            raise RolloutError(
-                f"{self.name}: the server has no megarl weight receiver (start it with "
-                "--worker-extension-cls megarl_vllm_receiver.MegarlWeightReceiver and "
-                "megarl/rollout/vllm_ext on PYTHONPATH, as launch_vllm does) or use "
-                f"rollout.weight_sync: disk ({e})"
-            ) from e
-        channel = WeightChannel.host_store(channel_host(str(self._client.base_url)), 1 + workers)
+        workers, backend = await self._channel_plan()
+        channel = WeightChannel.host_store(
+            channel_host(str(self._client.base_url)), 1 + workers, backend=backend
+        )
         await asyncio.gather(
             self._rpc("megarl_open_channel", channel=channel.invitation()), asyncio.to_thread(channel.join)
         )

@@ -25,6 +25,7 @@ from megarl.rollout.types import (
     AuthError,
     BadRequestError,
     NoHealthyEngineError,
+    RolloutError,
     SamplingParams,
     WeightsDirError,
 )
@@ -189,6 +190,30 @@ def test_memory_sync_matches_transformers_and_refuses_foreign_names(vllm_server,
     s2, s3, version = asyncio.run(go())
     assert s2.token_ids == ref2 and s2.weight_version == "m2"
     assert s3.token_ids == ref1 and version == "m3"
+
+
+def test_memory_sync_picks_gloo_for_cpu_workers_and_refuses_nccl_before_pausing(vllm_server, tiny_models):
+    """The workers report their device (CPU here): the channel is gloo, as the server's log says;
+    asking for NCCL is refused before the server is paused or anything is sent."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+
+    async def go():
+        async with vllm_server.client() as eng:
+            await eng.update_weights_from_tensors(_hf_state(tiny_models["v1"]), version="g1")
+            backend = eng._channel.backend
+        async with vllm_server.client(weight_sync_backend="nccl") as eng:
+            with pytest.raises(RolloutError, match=r"NCCL weight channel needs CUDA workers.*\['cpu'\]"):
+                await eng.update_weights_from_tensors(_hf_state(tiny_models["v1"]), version="n1")
+            assert eng.dead_reason is None
+            return backend, await eng.generate(PROMPT, sampling=greedy), await eng.server_weight_version()
+
+    backend, res, version = run(go())
+    assert backend == "gloo" and version == "g1"
+    assert res.samples[0].token_ids == hf_greedy(str(tiny_models["v1"]), PROMPT, 4)
+    assert (
+        "megarl_vllm_receiver: rank 1 joined the trainer's gloo channel on cpu"
+        in vllm_server.log_path.read_text()
+    )
 
 
 def test_bad_requests_give_clear_errors_and_leave_server_alive(vllm_server, tmp_path, tiny_models):
