@@ -256,6 +256,31 @@ def test_no_label_enters_the_loss_and_skipped_groups_give_zero():
     assert float(loss) == 0.0 and bool((grad == 0).all())
 
 
+def test_vocab_term_without_a_target_needs_no_teacher_logits():
+    """A batch whose groups all skip has no privileged forward (no self_teacher_logits): uopsd_kl
+    gives zero there; with a target and no logits it refuses, naming the input."""
+    reg = {"name": "uopsd_kl", "coef": 1.0, "aggregation": "seq-mean-token-mean", "top_k": 2}
+    cfg = ObjectiveConfig(
+        "uopsd",
+        aggregation="seq-mean-token-mean",
+        policy_loss_args={"sd_coef": 0.0},
+        regularisers=[reg],
+    )
+    for targets in ([False] * 4, [False, True, False, False]):
+        b, logits = _batch(targets)
+        obj = build_objective(cfg)
+        b = obj.prepare(b)
+        x = logits.clone().requires_grad_(True)
+        if any(targets):
+            with pytest.raises(ValueError, match="self_teacher_logits"):
+                obj(x, b, LossContext(GlobalNormalisers.from_batch(b)))
+            continue
+        out = obj(x, b, LossContext(GlobalNormalisers.from_batch(b)))
+        out.loss.backward()
+        assert float(out.loss.detach()) == 0.0 and float(out.metrics["reg/uopsd_kl"]) == 0.0
+        assert x.grad is not None and bool((x.grad == 0).all())
+
+
 def test_teacher_equal_to_student_gives_zero_and_the_teacher_gets_no_gradient():
     b, logits = _batch([True, False, False, True])
     b.self_teacher_logprobs = b.old_logprobs.clone()

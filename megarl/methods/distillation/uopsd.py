@@ -117,15 +117,19 @@ def uopsd_kl(
         raise ValueError(
             f"regularisers: uopsd_kl aggregation={aggregation!r}; known: {', '.join(AGGREGATIONS)}"
         )
-    if ctx.teacher_logits is None:
-        raise ValueError(f"regulariser uopsd_kl needs the self-teacher's logits (the {LOGITS} input)")
     if SHARE not in batch.extras:
         raise ValueError(f"regulariser uopsd_kl needs its prepare step (extras['{SHARE}'])")
+    scale = route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype)
+    if ctx.teacher_logits is None:
+        # a batch without a target has no privileged forward (the input leaves no logits): nothing to distil
+        if bool((scale != 0).any()):
+            raise ValueError(f"regulariser uopsd_kl needs the self-teacher's logits (the {LOGITS} input)")
+        return torch.zeros_like(logp)
     share = batch.extras[SHARE]
     w = 4 * share * (1 - share) if frontier else torch.ones_like(share)
     w_tok = w.to(logp.dtype).repeat_interleave(batch.seq_lens)
     kl = token_divergence(logits, ctx.teacher_logits, direction, top_k, ctx.tp_group, ctx.chunk_tokens)
-    return route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * w_tok * kl.to(logp.dtype)
+    return scale * w_tok * kl.to(logp.dtype)
 
 
 POLICY_LOSSES.add(
