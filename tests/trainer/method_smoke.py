@@ -77,6 +77,8 @@ SMOKE_OVERRIDES: dict[str, dict] = {
     "sc-grpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "crpo": {"inputs": {"self_teacher_context": {"source": "answer"}}},
     "uopsd": {"inputs": {"self_teacher_context": {"min_vote": 0.0, "solutions": 2}}},  # a 2-solution mixture
+    "sc-grpo-vocab": {"inputs": {"self_teacher_context": {"source": "answer"}}},
+    "uopsd-vocab": {"inputs": {"self_teacher_context": {"min_vote": 0.0}}},
     # the smoke policy reads no card correctly in 2 steps: a negative margin opens SKALD's
     # teacher-advantage gate, so that the tilted term toward the card-reading self-teacher trains
     # SKALD measures its external teacher's accuracy per prompt (sampled from the teacher)

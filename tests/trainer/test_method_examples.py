@@ -261,7 +261,7 @@ def check_signal(name: str, r: dict) -> None:
         # the Megatron teacher forwarded only the all-wrong groups' student samples, never a solution
         fwd = _any(r, "teacher/forwarded_frac")
         assert len(fwd) == STEPS and all(f < 1 for f, v in zip(fwd, ver) if v > 0), fwd
-    elif name in ("isdpo", "uopsd"):  # routes cover the groups; the self-teacher forwarded the targets
+    elif name in ("isdpo", "uopsd", "uopsd-vocab"):  # routes cover the groups; targets forwarded
         names = ("grpo", "distil") if name == "isdpo" else ("skip", "distil")
         for s in r["steps"]:
             assert abs(sum(s[f"route/{k}_frac"] for k in names) - 1) < 1e-9, s
@@ -270,9 +270,14 @@ def check_signal(name: str, r: dict) -> None:
         if name == "uopsd":  # the smoke reads up to 2 solutions per target: their mixture teaches
             sols = _any(r, "self_teacher/solutions_mean")
             assert len(sols) == STEPS and all(1 <= x <= 2 for x, f in zip(sols, fwd) if f > 0), sols
+        if name == "uopsd-vocab":  # only the top-K KL term distils (the sampled-token term off)
+            assert len(_any(r, "train/reg/uopsd_kl")) == STEPS and _any(r, "train/pg_loss") == [0.0] * STEPS
     elif name == "sc-grpo":  # the self-teacher forward ran every step (answer contexts in the smoke)
         fwd = _any(r, "self_teacher/forwarded_frac")
         assert len(fwd) == STEPS and all(f > 0 for f in fwd), fwd
+    elif name == "sc-grpo-vocab":  # every step: contexts, and the full-vocabulary KL over them (> 0)
+        ctx, kl = _any(r, "self_teacher/context_frac"), _any(r, "self_teacher/kl_mean")
+        assert len(kl) == STEPS and all(k > 0 for k in kl) and all(c > 0 for c in ctx), (ctx, kl)
     elif name == "self-routing":  # one route per group: the route fractions cover the batch
         for s in r["steps"]:
             fr = [s[f"route/{k}_frac"] for k in ("grpo", "opsd", "regularise", "skip")]
@@ -303,6 +308,10 @@ def check_signal(name: str, r: dict) -> None:
             "trajval": "trajval/reverse/prompts",  # the prior chose the step's prompts
             "mass": "mass/selected",  # the steps drew from the selection
             "estr": "train/estr/masked_frac",
+            # the rollout corrections: their share of zeroed (or dropped) loss tokens, every step
+            "core-seq-tis": "train/correction_zeroed_frac",
+            "core-is-rejection": "train/correction_zeroed_frac",
+            "core-rejection-drop": "train/correction_dropped_frac",
             "output-reset": "train/output_reset/residual",
             "gmpo": "train/gmpo/clipped_frac",
             "kl-cov": "train/kl_cov/selected_frac",

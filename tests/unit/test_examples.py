@@ -1,5 +1,6 @@
 """Every examples/methods/core-*.yaml builds a valid objective and advantage estimator, and the
-objective it describes matches the reference at TP=2 on a random batch."""
+objective it describes matches the reference at TP=2 on a random batch (prepared first, as the
+learner prepares it: batch-normalised corrections and the dropping denominator need it)."""
 
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from megarl.advantages import ADVANTAGE_ESTIMATORS
 from megarl.objectives.rl_objective import build_objective
 from megarl.testing.equivalence import megarl_loss_and_grad, reference_loss_and_grad
 from tests.property.strategies import rl_cases
+from tests.property.test_correction_composition import prepare_on_dp
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "methods").glob("core-*.yaml"))
 
@@ -35,7 +37,7 @@ def test_example_builds_and_matches_reference(path):
     @given(case=rl_cases(torch.float64, cfgs=st.just(objective.cfg)))
     def check(case):
         ref_loss, ref_grad = reference_loss_and_grad(case)
-        loss, grad = megarl_loss_and_grad(case, tp=2, micro_batches=2)
+        loss, grad = megarl_loss_and_grad(prepare_on_dp(case, 1), tp=2, micro_batches=2)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_loss.abs())))
         torch.testing.assert_close(
             grad, ref_grad, rtol=1e-9, atol=1e-10 * max(1.0, float(ref_grad.abs().max()))
