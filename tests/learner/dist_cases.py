@@ -887,6 +887,7 @@ CASES.update(__import__("tests.learner.gradient_cases", fromlist=["CASES"]).CASE
 CASES.update(__import__("tests.learner.teacher_cases", fromlist=["CASES"]).CASES)
 CASES.update(__import__("tests.learner.probe_cases", fromlist=["CASES"]).CASES)
 CASES.update(__import__("tests.learner.shared_head_cases", fromlist=["CASES"]).CASES)
+CASES.update(__import__("tests.learner.correction_cases", fromlist=["CASES"]).CASES)
 
 
 def run_case(spec: str, args) -> dict:

@@ -63,6 +63,7 @@ CASES_2 = [
     "objective:dense:tp2",
     "objective:dense:pp2",
     "objective:moe:ep2",
+    "correction:dense:tp1",
     "replay:moe:ep2",
     "replay:moe:tp2sp",
     "replay:moe:pp2",
