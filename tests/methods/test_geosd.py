@@ -201,3 +201,20 @@ def test_missing_inputs_are_named():
     obj = build_objective({"policy_loss": "none", "regularisers": [{"name": "geosd", "coef": 1.0}]})
     with pytest.raises(ValueError, match="self_teacher_logits"):
         obj(torch.zeros(3, 4), b, LossContext(GlobalNormalisers(2, 1)))
+
+
+def test_a_sequence_the_self_teacher_did_not_read_is_refused():
+    """Unread sequences carry zero logits (a uniform teacher): GeoSD refuses them, naming the knob."""
+    import pytest
+
+    from megarl.objectives.api import GlobalNormalisers, LossContext
+
+    b = from_sequences([[1], [1]], [[2, 3], [3]], [0, 0])
+    b.token_extras["checkpoint_logits"] = torch.zeros(b.num_tokens, 4)
+    b.extras["self_teacher_on"] = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    obj = build_objective({"policy_loss": "none", "regularisers": [{"name": "geosd", "coef": 1.0}]})
+    ctx = LossContext(GlobalNormalisers(3, 2), teacher_logits=torch.zeros(b.num_tokens, 4))
+    with pytest.raises(ValueError, match=r"read 1 of 2 sequences.*when: all"):
+        obj(torch.zeros(b.num_tokens, 4), b, ctx)
+    b.extras["self_teacher_on"] = torch.ones(2, dtype=torch.float64)
+    assert torch.isfinite(obj(torch.zeros(b.num_tokens, 4), b, ctx).loss)

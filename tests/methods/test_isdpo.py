@@ -176,6 +176,29 @@ def test_spec_example_and_mismatched_aggregation_is_refused():
         isdpo_rule(b)
 
 
+def test_vocab_term_without_a_read_sequence_needs_no_teacher_logits():
+    """A batch where the self-teacher read no sequence has no privileged forward (no logits):
+    isdpo_kl gives zero there; with a read distil-route sequence and no logits it refuses, naming
+    the input."""
+    reg = {"name": "isdpo_kl", "coef": 1.0, "aggregation": "token-mean"}
+    cfg = ObjectiveConfig(
+        "isdpo", aggregation="token-mean", policy_loss_args={"sd_coef": 0.0}, regularisers=[reg]
+    )
+    for read in (0.0, 1.0):
+        b, logits = _batch([False, False, True, False], [0, 0, 1, 1])  # group 0 all wrong: distil
+        b.extras["self_teacher_on"] = torch.full((b.num_seqs,), read, dtype=torch.float64)
+        obj = build_objective(cfg)
+        b = obj.prepare(b)
+        x = logits.clone().requires_grad_(True)
+        if read:
+            with pytest.raises(ValueError, match="self_teacher_logits"):
+                obj(x, b, LossContext(GlobalNormalisers.from_batch(b)))
+            continue
+        out = obj(x, b, LossContext(GlobalNormalisers.from_batch(b)))
+        out.loss.backward()
+        assert float(out.metrics["reg/isdpo_kl"]) == 0.0 and x.grad is not None
+
+
 FULL = st.builds(
     lambda agg, coef: ObjectiveConfig(
         policy_loss="isdpo",

@@ -56,6 +56,7 @@ from megarl.plugin.spec import MethodSpec
 from megarl.registry import PartInfo
 
 TEACHER, CHECKPOINT = "self_teacher_logits", "checkpoint_logits"  # inputs (logits [T, V/tp])
+READ = "self_teacher_on"  # extras [S]: 1 where the self-teacher read the sequence with its context
 BC_MAX = 1.0 - 1e-7
 
 
@@ -75,6 +76,14 @@ def geosd(logits, logp, old_logp, batch, ctx, beta: float = 0.1) -> torch.Tensor
         )
     if CHECKPOINT not in batch.token_extras:
         raise ValueError(f"regulariser geosd needs token_extras[{CHECKPOINT!r}] (input {CHECKPOINT})")
+    read = batch.extras.get(READ)
+    if read is not None and bool((read < 0.5).any()):
+        # an unread sequence's teacher logits are zeros (a uniform teacher) and GeoSD pulls every
+        # token toward its teacher: refuse rather than distil toward uniform
+        raise ValueError(
+            f"regulariser geosd: the self-teacher read {int((read >= 0.5).sum())} of {read.numel()} "
+            "sequences; GeoSD distils every sequence, so it needs inputs.self_teacher_context.when: all"
+        )
     teacher = ctx.teacher_logits.to(logits.device).detach()
     ck = batch.token_extras[CHECKPOINT].to(logits.device).detach()
     h2 = vocab_parallel_hellinger_sq(teacher, logits, ctx.tp_group, ctx.chunk_tokens)

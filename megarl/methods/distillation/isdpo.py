@@ -103,12 +103,16 @@ def isdpo_kl(logits, logp, old_logp, batch, ctx, aggregation: str = "token-mean"
         raise ValueError(
             f"regularisers: isdpo_kl aggregation={aggregation!r}; known: {', '.join(AGGREGATIONS)}"
         )
-    if ctx.teacher_logits is None:
-        raise ValueError(f"regulariser isdpo_kl needs the self-teacher's logits (the {LOGITS} input)")
     distil = batch.extras["routes"].to(logp.dtype).repeat_interleave(batch.seq_lens)
     on = batch.extras[ON].to(logp.dtype).repeat_interleave(batch.seq_lens)
+    scale = route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * distil * on
+    if ctx.teacher_logits is None:
+        # no sequence the self-teacher read (no privileged forward, so no logits): nothing to distil
+        if bool((scale != 0).any()):
+            raise ValueError(f"regulariser isdpo_kl needs the self-teacher's logits (the {LOGITS} input)")
+        return torch.zeros_like(logp)
     kl = vocab_parallel_kl(ctx.teacher_logits.detach(), logits, ctx.tp_group, ctx.chunk_tokens)
-    return route_scale(batch, ctx.normalisers, aggregation).to(logp.dtype) * distil * on * kl
+    return scale * kl
 
 
 REGULARISERS.add(
