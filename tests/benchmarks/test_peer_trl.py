@@ -1,6 +1,6 @@
 """The peer benchmark against TRL (benchmarks/peers/): both sides get the same hyperparameters, its
 figures are computed as documented, and a 10-step run of it works end to end (that one needs the TRL
-venv: `make setup-trl`; without it the smoke skips, saying so)."""
+venv, which `make setup` installs; set up with MEGARL_SKIP_TRL_SETUP=1, the smoke skips, saying so)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ PEERS = ROOT / "benchmarks/peers"
 
 def _module(name: str):
     spec = importlib.util.spec_from_file_location(name, PEERS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -99,22 +100,33 @@ TRL_PYTHON = ROOT / ".venv-trl/bin/python"
 @pytest.mark.slow
 @pytest.mark.skipif(
     not TRL_PYTHON.exists(),
-    reason="no TRL venv (.venv-trl): `make setup-trl` or MEGARL_WITH_TRL=1 make setup installs it",
+    reason="no TRL venv (.venv-trl): `make setup` (without MEGARL_SKIP_TRL_SETUP=1) or `make setup-trl`",
 )
 def test_ten_steps_of_the_peer_benchmark(tmp_path):
+    """The benchmark end to end at its smallest: three processes (the shared start's warm-up run,
+    10 megarl steps, 10 TRL steps), one seed, evaluations of 8 held-out prompts x 2 samples."""
     out = tmp_path / "figures.json"
     cmd = [sys.executable, str(PEERS / "compare_trl.py"), "--steps", "10", "--seeds", "1"]
-    cmd += ["--warmup-steps", "2", "--eval-every", "5", "--eval-samples", "16", "--eval-k", "2"]
+    cmd += ["--warmup-steps", "2", "--eval-every", "5", "--eval-samples", "8", "--eval-k", "2"]
     cmd += ["--workdir", str(tmp_path / "work"), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "median s/step" in proc.stdout and "peak RSS MiB" in proc.stdout
     assert "megarl threads by voluntary ctx switches" in proc.stdout
     figures = json.loads(out.read_text())
-    for side in ("megarl", "trl"):
-        f = figures[side]
+    m, t = figures["megarl"], figures["trl"]
+    printed = {line[:40].strip(): line[40:].split() for line in proc.stdout.splitlines()}
+    for row, key in (
+        ("median s/step (steps >= 2, no eval)", "s_per_step"),
+        ("median CPU s/step", "cpu_per_step"),
+        ("CPU s, whole process", "cpu_s"),
+        ("peak RSS MiB", "peak_rss_mib"),
+    ):
+        assert printed[row][2] == f"{m[key] / t[key]:.2f}x", (row, printed[row], m[key], t[key])
+    for f in (m, t):
         assert sorted(f["curve"]) == ["0", "10", "5"]
-        assert 0 < f["s_per_step"] and 0 < f["cpu_per_step"] and f["peak_rss_mib"] > 100
+        assert all(0.0 <= v <= 1.0 for (v,) in f["curve"].values())
+        assert 0 < f["s_per_step"] and 0 < f["cpu_per_step"] < f["cpu_s"] and f["peak_rss_mib"] > 100
         assert sum(n for _, n, _ in f["threads"].values()) > 0  # per-thread context switches seen
+    for side in ("megarl", "trl"):  # both sides ran all 10 steps
         (run,) = figures["runs"][side]
         assert sorted(int(k) for k in run["step_time_at"]) == list(range(11))
