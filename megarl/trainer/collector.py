@@ -5,7 +5,7 @@ the allocator decides how many prompts each round samples and which groups stay 
 allocator instead decides per prompt as samples land: megarl/trainer/streaming.py; a prefix
 allocator continues only chosen short prefixes: megarl/trainer/prefix_rounds.py; a
 ``PromptChooser`` picks the prompts itself instead of the shuffled sampler); the workflow
-turns each prompt into ``n`` samples through the engine; the run's reward functions score
+makes ``n`` samples of each prompt through the engine; the run's reward functions score
 them; the round processors (reward shaping, judges, method scores) run in order. The synchronous
 loop runs it to completion per step; the asynchronous loop runs it ahead in its producer thread
 with a gated engine (megarl/trainer/rollout_producer.py). Sampling seeds depend only on (seed,
@@ -29,7 +29,7 @@ from megarl.trainer.rollouts import CollectedBatch, GroupRecord, SampleRecord
 
 
 class LockedRewards:
-    """A ``RewardComputer`` shared by threads (the producer, evaluation, multi-turn scoring): one call
+    """A ``RewardComputer`` shared by threads (the producer, evaluation, episode scoring): one call
     at a time (contained reward functions talk to one worker process over a pipe)."""
 
     def __init__(self, inner):

@@ -69,7 +69,7 @@ RANGES: dict[str, Range] = {
     "schedule.mini_batches": POSITIVE,
     "schedule.micro_batches": POSITIVE,
     "schedule.eval_every": Range(lo=0, note="0 = only before and after training"),
-    "schedule.eval_samples": Range(lo=0, lo_open=True, note="an empty data.eval turns evaluation off"),
+    "schedule.eval_samples": Range(lo=0, lo_open=True, note="an empty data.eval switches evaluation off"),
     "schedule.eval_k": POSITIVE,
     "checkpoint.every": POSITIVE,
     "checkpoint.keep_last": POSITIVE,
