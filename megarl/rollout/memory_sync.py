@@ -21,8 +21,8 @@ both; what differs is where the bytes lie:
   ``device_digest``, computed on the GPU on both ends and folded per bucket on the host: one host
   sync per bucket. The trainer refuses an NCCL channel when torch sees no CUDA device (the error
   names ``rollout.weight_sync``), and CUDA is touched only on that path, never at import.
-  Written, not run on a GPU: no GPU has been available to this project; the ``nccl sync`` check
-  of benchmarks/gpu/check.py runs it on a machine with two GPUs (docs/gpu.md).
+  This path has not been executed on a GPU (docs/gpu.md says what is checked); the ``nccl sync``
+  check of benchmarks/gpu/check.py runs it on a machine with two GPUs (docs/gpu.md).
 
 A sync that fails part-way leaves the server's weights partly new: the client marks the server dead
 on either backend. On NCCL a host wait never blocks for good: the trainer polls the device with a

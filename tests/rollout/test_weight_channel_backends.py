@@ -32,6 +32,7 @@ from megarl.rollout.vllm_ext.megarl_vllm_receiver import (
     fold_digests,
     receive_buckets_on_device,
 )
+from tests.rollout.test_weight_channel import _connected
 
 CPU = torch.device("cpu")
 
@@ -171,19 +172,9 @@ def test_the_gloo_stream_and_invitation_are_the_documented_bytes():
     assert rec.messages == expected
 
 
-def _gloo_pair() -> tuple[WeightChannel, MegarlWeightReceiver]:
-    channel = WeightChannel.host_store("127.0.0.1", world_size=2, timeout_s=30)
-    worker = MegarlWeightReceiver()
-    t = threading.Thread(target=worker.megarl_open_channel, args=(channel.invitation(),))
-    t.start()
-    channel.join()
-    t.join()
-    return channel, worker
-
-
 def test_the_device_stream_arrives_bit_exact_with_matching_digests_and_aborts():
     """The NCCL path's send and receive code, run over a gloo group with every message on CPU."""
-    channel, worker = _gloo_pair()
+    channel, worker = _connected()
     group = worker._megarl_group  # type: ignore[attr-defined]
     state = _state()
     got: dict[str, torch.Tensor] = {}

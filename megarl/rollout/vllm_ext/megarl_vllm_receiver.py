@@ -22,8 +22,8 @@ names it in the invitation):
   worker's GPU (``self.device``), so the weights go GPU to GPU and are never staged through host
   memory (only the length and the header, a few bytes, are read back to the host). CRC-32 would
   need the bytes on the host, so the checksum is ``device_digest``, computed on the GPU where the
-  tensor lies, folded per bucket on the host (answered as ``{"digest": [...]}``). Written, not
-  run on a GPU: no GPU has been available to this project; the ``nccl sync`` check of
+  tensor lies, folded per bucket on the host (answered as ``{"digest": [...]}``). This path has
+  not been executed on a GPU (docs/gpu.md says what is checked); the ``nccl sync`` check of
   benchmarks/gpu/check.py runs it on a machine with two GPUs (docs/gpu.md).
 """
 
@@ -108,22 +108,28 @@ def fold_digests(pairs: list[list[int]]) -> int:
     return value
 
 
+def _next_header(group, device: torch.device | None = None) -> list | None:
+    """The next bucket's header (its tensors' names, dtypes and shapes), None at the end marker;
+    raises ``SyncAborted`` on the abort marker. The messages lie on ``device`` (None: the host)."""
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    group.broadcast(length, 0).wait()
+    n = int(length.item())
+    if n == END:
+        return None
+    if n == ABORT:
+        raise SyncAborted("the trainer aborted the weight sync part-way")
+    header = torch.empty(n, dtype=torch.uint8, device=device)
+    group.broadcast(header, 0).wait()
+    return json.loads(bytes(header.cpu().numpy()))
+
+
 def receive_buckets(group, crcs: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a sync stream on a gloo ``group`` as each tensor arrives; appends
     each bucket's CRC-32 (over its tensors' bytes in order) to ``crcs``. Raises ``SyncAborted`` on
     the abort marker."""
-    while True:
-        length = torch.zeros(1, dtype=torch.int64)
-        group.broadcast(length, 0).wait()
-        n = int(length.item())
-        if n == END:
-            return
-        if n == ABORT:
-            raise SyncAborted("the trainer aborted the weight sync part-way")
-        header = torch.empty(n, dtype=torch.uint8)
-        group.broadcast(header, 0).wait()
+    while (header := _next_header(group)) is not None:
         value = 0
-        for name, dt, shape in json.loads(bytes(header.numpy())):
+        for name, dt, shape in header:
             t = torch.empty(shape, dtype=getattr(torch, dt))
             group.broadcast(byte_view(t), 0).wait()
             value = crc32(byte_view(t), value)
@@ -137,18 +143,9 @@ def receive_buckets_on_device(
     """The same stream received into tensors on ``device`` (an NCCL group: the worker's GPU);
     appends each bucket's ``fold_digests`` of its tensors' ``device_digest`` to ``digests``. One
     host sync per bucket (the header) plus one for its digests."""
-    while True:
-        length = torch.zeros(1, dtype=torch.int64, device=device)
-        group.broadcast(length, 0).wait()
-        n = int(length.item())
-        if n == END:
-            return
-        if n == ABORT:
-            raise SyncAborted("the trainer aborted the weight sync part-way")
-        header = torch.empty(n, dtype=torch.uint8, device=device)
-        group.broadcast(header, 0).wait()
+    while (header := _next_header(group, device)) is not None:
         pairs = []
-        for name, dt, shape in json.loads(bytes(header.cpu().numpy())):
+        for name, dt, shape in header:
             t = torch.empty(shape, dtype=getattr(torch, dt), device=device)
             group.broadcast(byte_view(t), 0).wait()  # the stream waits for the broadcast
             pairs.append(device_digest(t))  # queued before vLLM's loader touches the tensor
@@ -172,10 +169,6 @@ def nccl_group(store, rank: int, world_size: int, timeout: timedelta) -> Any:
 
 class MegarlWeightReceiver:
     """Methods mixed into vLLM's worker class (names prefixed so they cannot clash with its own)."""
-
-    def megarl_count_workers(self) -> str:
-        """One answer per worker: how the trainer learns the group's size."""
-        return f"worker {int(getattr(self, 'rank', 0))}"
 
     def megarl_worker_device(self) -> dict:
         """One answer per worker: its device (vLLM's ``self.device``: "cpu", "cuda:0", ...), that
