@@ -91,6 +91,28 @@ def channel_host(server_url: str) -> str:
     return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.getfqdn()
 
 
+def sglang_workers(info: dict, server_url: str) -> list[dict]:
+    """An SGLang server's TP ranks as ``choose_backend`` sees workers, from its ``/server_info``:
+    device, host and, for a CUDA server on this host, the UUID of the GPU each rank uses
+    (``base_gpu_id + rank * gpu_id_step`` read with this process's device numbering, so a server
+    started under another ``CUDA_VISIBLE_DEVICES`` is not recognised as sharing a GPU)."""
+    device = str(info.get("device", "cuda"))
+    url_host = server_url.split("://")[-1].split("/")[0].rsplit(":", 1)[0].strip("[]")
+    local = channel_host(server_url) == "127.0.0.1" or url_host in (socket.gethostname(), socket.getfqdn())
+    host = socket.gethostname() if local else url_host
+    base, step = int(info.get("base_gpu_id", 0)), int(info.get("gpu_id_step", 1))
+    workers = []
+    for rank in range(int(info.get("tp_size", 1))):
+        gpu = None
+        index = base + rank * step
+        if device == "cuda" and local and torch.cuda.is_available() and index < torch.cuda.device_count():
+            gpu = gpu_uuid(torch.device("cuda", index))
+        workers.append(
+            {"device": device if device == "cpu" else f"{device}:{index}", "host": host, "gpu": gpu}
+        )
+    return workers
+
+
 def backend_for_workers(devices: list[str]) -> str:
     """The backend for workers on ``devices`` (their ``megarl_worker_device`` answers, e.g. "cpu",
     "cuda:0"): gloo when all are on the CPU, nccl when all are on CUDA."""

@@ -45,6 +45,9 @@ class SGLangEngine(HttpEngine):
         empty when False).
       logprob_start_len / top_logprobs_num: also return prompt logprobs from that position / the
         top-k alternatives (kept in ``Sample.meta``).
+      weight_sync_backend: the in-memory sync's backend; None (the default) follows the server's
+        device: gloo for a CPU server, NCCL for a CUDA one on other GPUs than this process's, gloo
+        for one on this process's GPU (``memory_sync.choose_backend``).
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class SGLangEngine(HttpEngine):
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
         reference_weights_dir: str | os.PathLike | None = None,
+        weight_sync_backend: str | None = None,
         **kw: Any,
     ):
         kw.setdefault("name", f"sglang@{base_url.split('://')[-1].rstrip('/')}")
@@ -63,6 +67,11 @@ class SGLangEngine(HttpEngine):
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        if weight_sync_backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                f"weight_sync_backend must be None, 'gloo' or 'nccl', got {weight_sync_backend!r}"
+            )
+        self.weight_sync_backend = weight_sync_backend
         self.return_text_in_logprobs = return_text_in_logprobs
         self._reference_names = (
             check_weights_dir(reference_weights_dir) if reference_weights_dir is not None else None
@@ -349,8 +358,8 @@ class SGLangEngine(HttpEngine):
         """The group with this server's ranks, opened on first use (backend by the server's device)."""
         import asyncio
 
-        from megarl.rollout.memory_sync import channel_host
-        from megarl.rollout.sglang_sync import GroupChannel, backend_for_device
+        from megarl.rollout.memory_sync import channel_host, choose_backend, sglang_workers
+        from megarl.rollout.sglang_sync import GroupChannel
 
         if getattr(self, "_channel", None) is not None:
             return self._channel
@@ -362,7 +371,8 @@ class SGLangEngine(HttpEngine):
                 "use rollout.weight_sync: disk"
             )
         self._sync_info = info
-        backend = backend_for_device(str(info.get("device", "cuda")))
+        workers = sglang_workers(info, self.base_url)
+        backend = choose_backend(workers, self.name, self.weight_sync_backend)
         channel = GroupChannel.host_store(
             channel_host(self.base_url), 1 + int(info.get("tp_size", 1)), backend=backend
         )

@@ -20,6 +20,7 @@ from megarl.rollout.memory_sync import (
     backend_for_workers,
     choose_backend,
     plan_buckets,
+    sglang_workers,
     stream_on_device,
 )
 from megarl.rollout.types import RolloutError
@@ -96,6 +97,39 @@ def test_a_server_on_the_trainers_gpu_gets_gloo(monkeypatch):
     assert choose_backend([_worker("cuda:0", "GPU-other"), _worker("cuda:1", "GPU-mine")], "vllm@x") == "gloo"
     with pytest.raises(RolloutError, match="NCCL cannot put two ranks on one GPU"):
         choose_backend([_worker("cuda:0", "GPU-mine")], "vllm@x", requested="nccl")
+
+
+def test_an_sglang_servers_ranks_are_seen_from_its_server_info(monkeypatch):
+    """SGLang answers no GPU UUID: its ranks' GPUs come from ``base_gpu_id``/``gpu_id_step``, read
+    with this process's device numbering when the server is on this host. CUDA and the UUIDs are
+    stood in for (no GPU here)."""
+    cpu = {"device": "cpu", "tp_size": 2}
+    assert [w["device"] for w in sglang_workers(cpu, "http://127.0.0.1:30000")] == ["cpu", "cpu"]
+    assert choose_backend(sglang_workers(cpu, "http://127.0.0.1:30000"), "sglang@x") == "gloo"
+
+    monkeypatch.setattr(memory_sync.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory_sync.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(memory_sync, "gpu_uuid", lambda device: f"GPU-{device.index}")
+    monkeypatch.setattr(memory_sync, "sync_cuda_device", lambda what: torch.device("cuda", 0))
+    cuda = {"device": "cuda", "tp_size": 2, "base_gpu_id": 1, "gpu_id_step": 2}
+    local = sglang_workers(cuda, "http://localhost:30000")
+    assert [(w["device"], w["gpu"], w["host"]) for w in local] == [
+        ("cuda:1", "GPU-1", socket.gethostname()),
+        ("cuda:3", "GPU-3", socket.gethostname()),
+    ]
+    assert choose_backend(local, "sglang@x") == "nccl"  # GPUs 1 and 3; this trainer is on 0
+    shared = sglang_workers({**cuda, "base_gpu_id": 0}, f"http://{socket.gethostname()}:30000")
+    assert choose_backend(shared, "sglang@x") == "gloo"  # rank 0 is on this trainer's GPU
+    remote = sglang_workers({**cuda, "base_gpu_id": 0}, "http://gpu-node-7:30000")
+    assert [w["gpu"] for w in remote] == [None, None] and remote[0]["host"] == "gpu-node-7"
+    assert choose_backend(remote, "sglang@x") == "nccl"
+
+
+def test_an_sglang_engine_refuses_an_unknown_backend():
+    from megarl.rollout.sglang_client import SGLangEngine
+
+    with pytest.raises(ValueError, match="weight_sync_backend must be None, 'gloo' or 'nccl', got 'mpi'"):
+        SGLangEngine("http://127.0.0.1:1", weight_sync_backend="mpi")
 
 
 def test_a_cpu_worker_refuses_an_nccl_invitation_and_reports_its_device():
