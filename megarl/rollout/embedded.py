@@ -165,7 +165,7 @@ class EmbeddedEngine(RolloutEngine):
         flag = self._abort_flags.setdefault(req.request_id, threading.Event())
         job = Job(req=req, abort=flag)
         try:
-            self._batcher.submit(job)
+            self._batcher.submit(job, asyncio.get_running_loop())
             samples = await asyncio.wrap_future(job.future)
         finally:
             self._abort_flags.pop(req.request_id, None)
@@ -182,7 +182,7 @@ class EmbeddedEngine(RolloutEngine):
     def _score_sync(self, ids: list[int], top_k: int):
         from megarl.rollout.scoring import TokenScores
 
-        with self._lock:
+        with self._batcher.hold():
             logits = self.model(input_ids=torch.tensor([ids], dtype=torch.long)).logits[0, :-1].float()
         logp = torch.log_softmax(logits, dim=-1)  # row i scores ids[i + 1]
         lp = logp.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
@@ -226,7 +226,7 @@ class EmbeddedEngine(RolloutEngine):
     def _drained(self):
         """Hold the model with no request decoding: admissions stop, the batch finishes, then the
         body runs; requests that arrived meanwhile start after it."""
-        with self._lock:
+        with self._batcher.hold():
             self._draining += 1
             try:
                 self._lock.wait_for(lambda: not self._batcher.busy)

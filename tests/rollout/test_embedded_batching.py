@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -22,12 +23,25 @@ def engine(tiny_models):
 
 
 @torch.no_grad()
-def decode_alone(model, prompt: list[int], n: int, sp: SamplingParams, stop: set[int] = frozenset()):
-    """One request decoded by itself: its n rows from one prefill, one KV cache, one generator
-    seeded by ``sp.seed`` drawing for all n rows each step (the engine before batching)."""
+def decode_alone(
+    model, prompt: list[int], n: int, sp: SamplingParams, stop: set[int] = frozenset(), shared: bool = True
+):
+    """One request decoded by itself: one KV cache of n rows, one generator seeded by ``sp.seed``
+    drawing for all n rows each step. ``shared``: the prompt is prefilled once (last-position
+    logits only) and its keys, values and logits repeated n times, as the engine does; else it is
+    prefilled n times in one forward of n rows (the engine before it shared the prompt)."""
     gen = torch.Generator()
     gen.manual_seed(sp.seed)
-    out = model(input_ids=torch.tensor([prompt] * n), use_cache=True)
+    if shared:
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        for layer in out.cache.layers:
+            layer.keys, layer.values = (
+                layer.keys.repeat_interleave(n, 0),
+                layer.values.repeat_interleave(n, 0),
+            )
+        out.logits = out.logits.repeat_interleave(n, 0)
+    else:
+        out = model(input_ids=torch.tensor([prompt] * n), use_cache=True)
     tokens, logprobs, done = [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
     for _ in range(sp.max_new_tokens):
         nxt, lp = sample_next(out.logits[:, -1, :].float(), sp, gen)
@@ -151,3 +165,81 @@ def test_a_weight_load_waits_for_the_batch_and_later_requests_get_the_new_weight
     assert all(s.weight_version == "0" and len(s.token_ids) == 60 for r in first for s in r.samples)
     assert later.samples[0].weight_version == "7"
     assert later.samples[0].token_ids == hf_greedy(str(tiny_models["v2"]), PROMPT, 16)
+
+
+def test_a_burst_of_requests_is_prefilled_together_once_per_prompt(engine, monkeypatch):
+    """Requests gathered in one event-loop turn are admitted at one step: one prefill forward per
+    prompt length with one row per request (its n rows share the prompt's cache), even when the
+    loop thread is slow between submissions (a loaded machine; the sleep lets the worker run)."""
+    prompts = [PROMPT[:6], PROMPT[1:7], PROMPT[2:8], PROMPT[3:9], PROMPT, PROMPT[::-1]]
+    sps = [sp_of(30 + i, 6) for i in range(len(prompts))]
+    submit = engine._batcher.submit
+
+    def slow_submit(*args, **kw):
+        submit(*args, **kw)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(engine._batcher, "submit", slow_submit)
+    shapes: list[tuple[int, int]] = []
+
+    def record(module, args, kw):
+        ids = kw["input_ids"]
+        if ids.shape[1] > 1:
+            shapes.append(tuple(ids.shape))
+
+    hook = engine.model.register_forward_pre_hook(record, with_kwargs=True)
+
+    async def go():
+        return await asyncio.gather(*[engine.generate(p, n=3, sampling=sp) for p, sp in zip(prompts, sps)])
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        hook.remove()
+    assert shapes == [(4, 6), (2, len(PROMPT))]
+    worst = 0.0
+    for p, sp, res in zip(prompts, sps, results, strict=True):
+        tokens, logprobs = decode_alone(engine.model, p, 3, sp, shared=False)  # n prompt rows
+        assert [s.token_ids for s in res.samples] == tokens
+        for s, lp in zip(res.samples, logprobs, strict=True):
+            worst = max(worst, (torch.tensor(s.logprobs) - torch.tensor(lp)).abs().max().item())
+    assert worst < 1e-4
+
+
+def _sample_next_multinomial(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator):
+    """Sampling of one request with ``torch.multinomial`` (the engine's sampler before it batched)."""
+    from megarl.rollout.sampling import filter_logits
+
+    logp = torch.log_softmax(logits, dim=-1)
+    if sp.temperature == 0:
+        nxt = logits.argmax(-1)
+    else:
+        probs = torch.softmax(filter_logits(logits / sp.temperature, sp.top_k, sp.top_p), dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return nxt, logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+
+
+def test_sampling_a_batch_equals_each_request_alone_bit_for_bit():
+    """``sample_rows`` over requests of mixed n, temperatures (greedy included), top-k and top-p
+    draws per request exactly what ``torch.multinomial`` draws for its rows alone, over steps."""
+    from megarl.rollout.sampling import sample_rows
+
+    ns = [3, 1, 8, 2, 5, 4]
+    sps = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=i)
+        for i, (t, k, p) in enumerate(
+            [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.9), (0.0, 0, 1.0), (1.0, 0, 1.0), (1.3, 3, 0.8)]
+        )
+    ]
+    mine = [torch.Generator().manual_seed(100 + i) for i in range(len(ns))]
+    ref = [torch.Generator().manual_seed(100 + i) for i in range(len(ns))]
+    torch.manual_seed(0)
+    for _ in range(4):
+        for V in (24, 1000):
+            logits = torch.randn(sum(ns), V) * 3
+            nxt, lp = sample_rows(logits, list(zip(ns, sps, mine)))
+            row = 0
+            for n, sp, gen in zip(ns, sps, ref):
+                a, b = _sample_next_multinomial(logits[row : row + n], sp, gen)
+                assert torch.equal(nxt[row : row + n], a) and torch.equal(lp[row : row + n], b)
+                row += n
