@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/embedded_batching.py                       # 16 prompts x 8 samples
     .venv/bin/python benchmarks/embedded_batching.py --prompts 32 --max-new-tokens 16
+    .venv/bin/python benchmarks/embedded_batching.py --layers 4 --max-new-tokens 4   # step_speed's task
 
 The quickstart's policy shape (examples/quickstart.yaml: its Qwen3 config and char tokenizer, random
 weights drawn with ``--seed``), ``--prompts`` prompts of its task (reverse a 3-digit string) with
@@ -11,6 +12,13 @@ same model: ``max_batch_rows=1`` (each request decodes alone, the engine before 
 batching) and the default (every request in one batch). Each is timed over ``--repeats`` rounds
 (best kept, default 10); it prints generated tokens per second of both, the ratio, how many samples are
 token-for-token identical between the two and the largest logprob difference over those.
+
+It then times the batched engine against transformers' ``generate`` of the same prompts and
+samples on the same model (``num_return_sequences=n``, sampling at the same temperature / top-k /
+top-p, the same token budget; the rollout of ``benchmarks/step_speed.py``'s plain loop), alternating
+the two for ``--rounds`` rounds (default 30): the median wall seconds and the mean CPU seconds of
+the process per round (CPU time moves less than wall time on a shared machine), their ratio, and
+the engine's prefill forwards per round.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,6 +59,48 @@ def timed(engine: EmbeddedEngine, prompts, n, sps, repeats: int) -> tuple[float,
     return best, results
 
 
+def engine_vs_generate(engine: EmbeddedEngine, tok, prompts, n: int, sps: list[SamplingParams], rounds: int):
+    """Alternate rounds of the engine and of ``generate``: (median wall s, mean CPU s) of each per
+    round, and the engine's prefill forwards per round."""
+    model, sp = engine.model, sps[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts])  # left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kw = {"top_k": sp.top_k} if sp.top_k > 0 else {"top_k": 0}
+    loop = asyncio.new_event_loop()
+    walls: dict[str, list[float]] = {"engine": [], "generate": []}
+    cpus: dict[str, list[float]] = {"engine": [], "generate": []}
+    prefills = 0
+    for i in range(rounds + 1):  # round 0 warms both up and is not counted
+        for side in ("engine", "generate"):
+            before = engine._batcher.prefills
+            t0, c0 = time.perf_counter(), time.process_time()
+            if side == "engine":
+                round_sps = [dataclasses.replace(s, seed=s.seed + 7919 * i) for s in sps]
+                loop.run_until_complete(_round(engine, prompts, n, round_sps))
+            else:
+                with torch.no_grad():
+                    model.generate(
+                        ids,
+                        attention_mask=mask,
+                        do_sample=sp.temperature > 0,
+                        temperature=sp.temperature or None,
+                        top_p=sp.top_p,
+                        max_new_tokens=sp.max_new_tokens,
+                        num_return_sequences=n,
+                        pad_token_id=tok.pad_id,
+                        eos_token_id=tok.eos_id,
+                        **kw,
+                    )
+            if i:
+                walls[side].append(time.perf_counter() - t0)
+                cpus[side].append(time.process_time() - c0)
+                prefills += engine._batcher.prefills - before
+    loop.close()
+    out = {side: (statistics.median(walls[side]), statistics.mean(cpus[side])) for side in walls}
+    return out, prefills / rounds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(ROOT / "examples/quickstart.yaml"))
@@ -58,10 +109,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds of the engine against generate")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg = load_config(a.config)
     tok, hf = tokenizer_and_hf_config(cfg)
+    if a.layers:
+        hf = {**hf, "num_hidden_layers": a.layers}
     torch.manual_seed(a.seed)
     model = hf_model_from_config(hf)
     rng = random.Random(a.seed)
@@ -97,6 +152,16 @@ def main() -> None:
     print(f"continuous batching:   {tokens_b} tokens in {t_batch:.3f} s = {tokens_b / t_batch:,.0f} tokens/s")
     print(f"speed-up: {(tokens_b / t_batch) / (tokens / t_alone):.2f}x")
     print(f"identical samples: {len(same)}/{len(pairs)}; largest |logprob difference| over them: {dlp:.2e}")
+    if a.rounds > 0:
+        fig, prefills = engine_vs_generate(batched, tok, prompts, r.n, sps, a.rounds)
+        (ew, ec), (gw, gc) = fig["engine"], fig["generate"]
+        print(
+            f"engine vs transformers generate, {a.rounds} alternating rounds "
+            "(median wall / mean CPU s per round):"
+        )
+        print(f"  engine:   {ew:.4f} s wall, {ec:.4f} s CPU; prefill forwards per round {prefills:.2f}")
+        print(f"  generate: {gw:.4f} s wall, {gc:.4f} s CPU")
+        print(f"  engine / generate: {ew / gw:.2f}x wall, {ec / gc:.2f}x CPU")
 
 
 if __name__ == "__main__":
