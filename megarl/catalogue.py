@@ -31,6 +31,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "megarl.rollout.instructed",
     "megarl.rollout.review",
     "megarl.rollout.reflect",
+    "megarl.rollout.instructed",
 )
 
 # torch-free modules whose import contributes config sections and keys (megarl/plugin/config_parts.py):
@@ -39,6 +40,7 @@ CONFIG_MODULES: tuple[str, ...] = (
     "megarl.plugin.teacher_config",
     "megarl.rollout.review",
     "megarl.rollout.reflect",
+    "megarl.rollout.instructed",
 )
 
 # method name -> "module:attr" of its MethodSpec

@@ -18,13 +18,29 @@ import asyncio
 import dataclasses
 import math
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.plugin.config_parts import chosen_keys, register_keys
 from megarl.rollout.types import SamplingParams
 from megarl.rollout.workflow import WORKFLOWS, SingleTurn, Trajectory, WorkflowContext, version_of
 
 INDEX = "instruction"
 CONTEXT = "instruction_context"
+
+
+@dataclass
+class InstructedKeys:
+    """The ``environment.*`` key of the ``instructed`` workflow."""
+
+    instructions: list[str] = field(default_factory=list)  # texts sampled after the prompt
+
+
+def _check_config(cfg: Any) -> None:
+    texts = chosen_keys(cfg.environment, InstructedKeys).instructions
+    for j, t in enumerate(texts):
+        if not isinstance(t, str) or not t:
+            raise ValueError(f"environment.instructions[{j}]={t!r}: a non-empty text expected")
 
 
 def draw_instructions(num: int, n: int, seed: int) -> list[int]:
@@ -38,7 +54,7 @@ class InstructedWorkflow:
 
     def __init__(self, ctx: WorkflowContext):
         self.ctx = ctx
-        texts = list(getattr(ctx.env, "instructions", []) or [])
+        texts = chosen_keys(ctx.env, InstructedKeys).instructions
         self.ids = [list(ctx.tokenizer.encode(t, bos=False)) for t in texts]
         for j, (t, ids) in enumerate(zip(texts, self.ids)):
             if not ids:
@@ -83,3 +99,4 @@ class InstructedWorkflow:
 
 
 WORKFLOWS.add("instructed", InstructedWorkflow)
+register_keys("environment", "instructed", InstructedKeys, check=_check_config)

@@ -183,7 +183,6 @@ class EnvironmentConfig:
     name: str = "none"  # a WORKFLOWS name (megarl/rollout/workflow.py)
     max_turns: int = 2  # answers per episode at most
     feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
-    instructions: list[str] = field(default_factory=list)  # instructed: texts sampled after the prompt
     # the chosen workflow's own keys (its dataclass; no YAML key of its own)
     chosen: Any = field(default=None, metadata={CHOSEN_BY: "name"})
 

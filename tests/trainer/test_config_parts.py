@@ -10,6 +10,7 @@ import yaml
 
 from megarl.plugin.config_parts import POSITIVE, SECTIONS, register_section, section_of
 from megarl.plugin.teacher_config import TeacherConfig, teacher_config
+from megarl.rollout.instructed import InstructedKeys
 from megarl.rollout.reflect import ReflectKeys
 from megarl.rollout.review import ReviewKeys
 from megarl.trainer import config_docs
@@ -89,12 +90,22 @@ def test_workflow_keys_exist_only_with_their_workflow(tmp_path):
     assert cfg.environment.chosen == ReviewKeys(after_review=" again {prompt}")
     with pytest.raises(
         ConfigError,
-        match=r"unknown key environment.after_review; allowed in environment: name, max_turns, feedback, "
-        r"instructions \(environment.after_review needs environment.name: review\)",
+        match=r"unknown key environment.after_review; allowed in environment: name, max_turns, feedback "
+        r"\(environment.after_review needs environment.name: review\)",
     ):
         load("environment.after_review=x")
-    with pytest.raises(ConfigError, match="allowed in environment: name, .*, instructions, after_review"):
+    with pytest.raises(
+        ConfigError,
+        match=r"allowed in environment: name, max_turns, feedback, after_review \(environment.reflect_frac",
+    ):
         load("environment.name=review", "environment.reflect_frac=0.5")
+    assert load(
+        "environment.name=instructed", "environment.instructions=[' a', ' b']"
+    ).environment.chosen == (InstructedKeys(instructions=[" a", " b"]))
+    with pytest.raises(ConfigError, match=r"environment.instructions needs environment.name: instructed"):
+        load("environment.instructions=[' a']")
+    with pytest.raises(ConfigError, match=r"environment.instructions\[1\]='': a non-empty text expected"):
+        load("environment.name=instructed", "environment.instructions=[' a', '']")
     with pytest.raises(ConfigError, match="environment.after_review='{x}': only {prompt} may be used"):
         load("environment.name=review", "environment.after_review='{x}'")
     with pytest.raises(ConfigError, match=r"environment.reflect_frac=2.0 must be in \[0, 1\]"):
