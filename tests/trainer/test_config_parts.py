@@ -2,17 +2,19 @@
 the loader, the checks, the ranges, the resolved config and the reference take them without the
 trainer naming them; bad keys are named with the allowed ones."""
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
-from megarl.plugin.config_parts import POSITIVE, SECTIONS, register_section, section_of
+from megarl.plugin.config_parts import KEYS, POSITIVE, SECTIONS, register_section, section_of
 from megarl.plugin.teacher_config import TeacherConfig, teacher_config
 from megarl.rollout.instructed import InstructedKeys
 from megarl.rollout.reflect import ReflectKeys
 from megarl.rollout.review import ReviewKeys
+from megarl.rollout.workflow import WORKFLOWS
 from megarl.trainer import config_docs
 from megarl.trainer.config import ConfigError, TrainConfig, apply_overrides, from_dict, save_resolved
 
@@ -120,3 +122,52 @@ def test_workflow_keys_exist_only_with_their_workflow(tmp_path):
     text = (ROOT / "docs" / "configuration.md").read_text()
     assert "| `environment.after_review` | str |  | `' {prompt}'` | review: the observation after" in text
     assert "| `environment.reflect_frac` | float | in [0, 1] | `0.5` | reflect: share of" in text
+
+
+USER_PACKAGE = """
+from dataclasses import dataclass
+
+from megarl.plugin.config_parts import POSITIVE, register_keys, register_section, section_of
+from megarl.plugin.spec import MethodParts, MethodSpec
+from megarl.rollout.workflow import WORKFLOWS, SingleTurn
+
+
+@dataclass
+class LimitsConfig:
+    ceiling: float = 1.0  # the largest value the package allows
+
+
+@dataclass
+class EchoKeys:
+    echo_times: int = 1  # how often the user package's workflow repeats an answer
+
+
+register_section("limits", LimitsConfig, ranges={"ceiling": POSITIVE})
+WORKFLOWS.add("user_echo", SingleTurn)
+register_keys("environment", "user_echo", EchoKeys)
+SPEC = MethodSpec(
+    name="limits", summary="a user's package", provenance="reconstructed", build=lambda c, k: MethodParts()
+)
+"""
+
+
+def test_a_users_package_contributes_its_section_and_keys_when_its_method_is_imported(tmp_path, monkeypatch):
+    """A method outside megarl (``method.import``) registers config parts at import: they load,
+    range-check and are refused without the package, like the built-in ones."""
+    (tmp_path / "user_limits_pkg.py").write_text(USER_PACKAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_limits_pkg", raising=False)
+    monkeypatch.delitem(SECTIONS, "limits", raising=False)  # undone after the test, with what it added
+    monkeypatch.delitem(KEYS["environment"], "user_echo", raising=False)
+    monkeypatch.setattr(WORKFLOWS, "_items", dict(WORKFLOWS._items))
+    monkeypatch.setattr(WORKFLOWS, "_info", dict(WORKFLOWS._info))
+    with pytest.raises(ConfigError, match="unknown .*limits"):
+        load("limits.ceiling=2.0")
+    cfg = load("method.import=user_limits_pkg:SPEC", "limits.ceiling=2.5")
+    assert type(cfg.sections["limits"]).__name__ == "LimitsConfig" and cfg.sections["limits"].ceiling == 2.5
+    with pytest.raises(ConfigError, match=r"limits.ceiling=-1.0 must be"):
+        load("method.import=user_limits_pkg:SPEC", "limits.ceiling=-1.0")
+    cfg = load("method.import=user_limits_pkg:SPEC", "environment.name=user_echo", "environment.echo_times=3")
+    assert cfg.environment.chosen.echo_times == 3
+    with pytest.raises(ConfigError, match=r"environment.echo_times needs environment.name: user_echo"):
+        load("method.import=user_limits_pkg:SPEC", "environment.echo_times=3")
