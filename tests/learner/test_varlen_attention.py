@@ -121,8 +121,12 @@ def _dense_reference(q, k, v, cu, scale):
 
 
 @settings(max_examples=10, deadline=None)
-@given(lens=st.lists(st.integers(1, 9), min_size=1, max_size=6), seed=st.integers(0, 99))
+@given(
+    lens=st.lists(st.one_of(st.integers(1, 9), st.integers(60, 90)), min_size=1, max_size=6),
+    seed=st.integers(0, 99),
+)
 def test_varlen_attention_matches_masked_softmax(lens, seed):
+    """Short and long sequences mixed: one padded bucket or several."""
     g = torch.Generator().manual_seed(seed)
     cu = _cu(lens)
     T = int(cu[-1])
@@ -140,9 +144,17 @@ def test_varlen_attention_matches_masked_softmax(lens, seed):
         assert float((a.double() - b).abs().max()) < 1e-5
 
 
-def test_segment_plan_groups_equal_lengths():
-    plan = segment_plan(_cu([3, 2, 3, 1]))
-    assert [p.tolist() for p in plan] == [[[8]], [[3, 4]], [[0, 1, 2], [5, 6, 7]]]
+def test_segment_plan_pads_similar_lengths_into_one_bucket():
+    plan = segment_plan(_cu([3, 2, 3, 1]))  # longest first; padding repeats a row's last token
+    assert [(b.n, b.length) for b in plan.buckets] == [(4, 3)]
+    index, back = plan.buckets[0].index, plan.back
+    assert index is not None and back is not None
+    assert index.tolist() == [0, 1, 2, 5, 6, 7, 3, 4, 4, 8, 8, 8]
+    assert back.tolist() == [0, 1, 2, 6, 7, 3, 4, 5, 9]  # each token's row in the padded output
+    rect = segment_plan(_cu([4, 4, 4]))  # the row is already [3, 4]: no gathers
+    assert [(b.n, b.length, b.index) for b in rect.buckets] == [(3, 4, None)] and rect.back is None
+    apart = segment_plan(_cu([10, 300, 12]))  # padding 10 and 12 to 300 would cost > 1.25x: apart
+    assert [(b.n, b.length) for b in apart.buckets] == [(1, 300), (2, 12)]
 
 
 def test_varlen_attention_refuses_bad_boundaries():
