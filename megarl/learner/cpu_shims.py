@@ -17,6 +17,14 @@ Shims (P1..P9):
   ``TorchFunctionMode``), for schedules, grad buffers, optimizer and clip_grads.
 - P9 ``Tensor.type()`` of a CPU float tensor reads as ``torch.cuda.*Tensor`` for the optimizer's asserts.
   Only while the P8 mode is active, and only for the string form (``t.type()`` with no argument).
+- P8/P9 are off where nothing names a CUDA device and the mode's Python call on every torch
+  function and tensor attribute costs the most: ``device_mode_off()`` around the forward of a model
+  without MoE layers (megarl/learner/forward.py; megatron's MoE aux-loss tracker allocates on
+  ``device="cuda"``) and around the inner torch optimizer's step (``inner_steps_without_device_mode``).
+- P11 RoPE (``rope_utils._apply_rotary_pos_emb_bshd``, the unfused path every CPU layer takes): the
+  cos/sin of a position tensor are computed once and reused by the query and key of every layer of
+  the forward (megatron computes them again for each), and a rotation over the whole head dimension
+  returns its result instead of concatenating it with an empty pass-through part; the same numbers.
 - P10 ``one_process_groups()``: in a world of one process, megatron's groups (tensor, pipeline, data,
   expert, ... all of them ``[0]``) are the default group instead of ~18 new gloo groups. Every gloo
   group owns a TCP loop thread that wakes every 10 ms, so 18 idle groups made ~1,800 voluntary
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -200,6 +209,29 @@ def _patch_megatron() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(wrapped_norm_new)
 
 
+def _patch_rope() -> None:
+    """P11: megatron's unfused RoPE with the cos/sin of the last position tensor kept."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+    local = threading.local()  # .last: [freqs, its version, mscale, dtype, cos, sin] of this thread
+
+    def apply_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+        if multi_latent_attention or freqs.requires_grad or freqs.shape[-1] != t.shape[-1]:
+            return original(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        key = (freqs._version, mscale, t.dtype)
+        last = getattr(local, "last", None)
+        if last is not None and last[0] is freqs and tuple(last[1:4]) == key:
+            cos_, sin_ = last[4], last[5]
+        else:
+            cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+            sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+            local.last = [freqs, *key, cos_, sin_]
+        return (t * cos_) + (rope_utils._rotate_half(t, rotary_interleaved) * sin_)
+
+    rope_utils._apply_rotary_pos_emb_bshd = apply_bshd
+
+
 @contextlib.contextmanager
 def one_process_groups():
     """P10: while active, megatron's ``create_group`` returns the default process group when the world
@@ -221,8 +253,39 @@ def one_process_groups():
         ps.create_group = original
 
 
+@contextlib.contextmanager
+def device_mode_off():
+    """While active, this thread's torch calls skip the P8/P9 mode (when it is the innermost torch
+    function mode), for code that names no CUDA device. Elsewhere, or without the shims, nothing."""
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if _MODE is None or _get_current_function_mode() is not _MODE:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
+def inner_steps_without_device_mode(optimizer) -> None:
+    """Run the torch optimizer inside each of megatron's (chained) optimizers with the P8/P9 mode
+    off: ``torch.optim``'s Adam names no device, and its ~12 torch calls per parameter are most of
+    the Python work of an optimizer step."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if inner is None or getattr(inner, "_megarl_mode_off", False):
+            continue
+        step = inner.step
+
+        def step_without_mode(*args, _step=step, **kwargs):
+            with device_mode_off():
+                return _step(*args, **kwargs)
+
+        inner.step = step_without_mode
+        inner._megarl_mode_off = True
+
+
 def apply_cpu_shims() -> None:
-    """Apply P1..P9 once per process. Refuses to run when a CUDA device is available."""
+    """Apply P1..P9 and P11 once per process. Refuses to run when a CUDA device is available."""
     global _APPLIED, _MODE
     if _APPLIED:
         return
@@ -230,6 +293,7 @@ def apply_cpu_shims() -> None:
         raise RuntimeError("megarl.learner.cpu_shims must not be applied when a CUDA device is available")
     _patch_torch_cuda()
     _patch_megatron()
+    _patch_rope()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # kept active for the life of the process
     _APPLIED = True

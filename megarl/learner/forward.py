@@ -17,6 +17,8 @@ within each sequence; the first token of each sequence gets zero logits (it is n
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +190,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _device_mode_off(inner: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The CPU shims' device mode off for the forward of a model without MoE layers (nothing in it
+    names a CUDA device; cpu_shims ``device_mode_off``); a no-op without the shims (GPU runs never
+    import them) or for MoE models."""
+    shims = sys.modules.get("megarl.learner.cpu_shims")
+    spec = getattr(inner, "megarl_spec", None)
+    if shims is None or spec is None or spec.is_moe:
+        return contextlib.nullcontext()
+    return shims.device_mode_off()
+
+
 def run_model(model: torch.nn.Module, inputs: PackedInputs) -> torch.Tensor:
     """One stage's forward on packed inputs. Last stage: logits ``[T_pad, V/tp]`` (next-token,
     unaligned); other stages: hidden states for the next stage."""
@@ -198,13 +211,14 @@ def run_model(model: torch.nn.Module, inputs: PackedInputs) -> torch.Tensor:
         hook.positions = inputs.position_ids[0]
         hook.cp = part.cp if part is not None else 1
     try:
-        out = model(
-            inputs.input_ids,
-            inputs.position_ids,
-            inputs.attention_mask,
-            packed_seq_params=inputs.packed_seq_params,
-            padding_mask=inputs.padding_mask,
-        )
+        with _device_mode_off(inner):
+            out = model(
+                inputs.input_ids,
+                inputs.position_ids,
+                inputs.attention_mask,
+                packed_seq_params=inputs.packed_seq_params,
+                padding_mask=inputs.padding_mask,
+            )
     finally:
         if hook is not None:
             hook.positions = None

@@ -19,6 +19,7 @@ Loss scaling, explicitly (see docs/learner.md):
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -157,6 +158,9 @@ class Learner:
             use_gloo_process_groups=False,
         )
         retain_grad_on_shard_views(self.optimizer)
+        shims = sys.modules.get("megarl.learner.cpu_shims")
+        if shims is not None and shims.shims_applied():
+            shims.inner_steps_without_device_mode(self.optimizer)
         decay = max(o.lr_decay_steps, o.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,

@@ -1,0 +1,132 @@
+"""The one-process learner's step skips work that cannot change a number, and its numbers are those
+of the full path: no gradient reduce-scatter or parameter all-gather over a group of one process
+(megarl/learner/ddp.py), the CPU shims' device mode off in a dense model's forward and in the torch
+optimizer's step, RoPE's cos/sin computed once per forward (cpu_shims P11)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megarl.learner import cpu_shims
+from megarl.learner import forward as fwd
+from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
+from megarl.learner.parallel import ParallelLayout, initialize_parallel
+from megarl.objectives.rl_objective import build_objective
+from megarl.testing.tiny_qwen3 import TINY_QWEN3_HF
+from tests.learner.dist_cases import make_batch
+
+VOCAB = 48
+HF = dict(
+    TINY_QWEN3_HF,
+    vocab_size=VOCAB,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
+
+
+def _learner() -> Learner:
+    groups = initialize_parallel(ParallelLayout())
+    return Learner(LearnerConfig(hf_config=HF, optim=OptimConfig(lr=1e-2, clip_grad=1.0), seed=7), groups)
+
+
+def _full_path(ln: Learner) -> None:
+    """Put megatron's collectives and the torch optimizer's own step back on ``ln``."""
+    for group in ln.ddp.bucket_groups + ln.ddp.expert_parallel_bucket_groups:
+        del group.start_grad_sync, group.start_param_sync
+    for part in getattr(ln.optimizer, "chained_optimizers", [ln.optimizer]):
+        del part.optimizer.step
+
+
+class _Counts:
+    """Calls of the bucket collectives and of the device mode, while active."""
+
+    def __init__(self, monkeypatch):
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+
+        self.collectives = 0
+        self.mode_calls = 0
+        for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
+            original = getattr(pgb, name)
+
+            def counted(*args, _f=original, **kwargs):
+                self.collectives += 1
+                return _f(*args, **kwargs)
+
+            monkeypatch.setattr(pgb, name, counted)
+        mode_fn = cpu_shims._CudaToCpuMode.__torch_function__
+
+        def counted_mode(mode, func, types, args=(), kwargs=None):
+            self.mode_calls += 1
+            return mode_fn(mode, func, types, args, kwargs)
+
+        monkeypatch.setattr(cpu_shims._CudaToCpuMode, "__torch_function__", counted_mode)
+
+
+def test_one_process_step_skips_collectives_and_the_mode_with_the_same_numbers(monkeypatch):
+    objective = build_objective({"policy_loss": "ppo", "clip_low": 0.2, "clip_high": 0.2})
+    batch = make_batch(5, (9, 6, 11, 6, 8, 5), vocab=VOCAB)
+    lean, full = _learner(), _learner()
+    _full_path(full)
+    counts = _Counts(monkeypatch)
+    in_model = {"lean": 0, "full": 0}
+    for name, ln in (("lean", lean), ("full", full)):  # device-mode calls inside the model's forward
+
+        def pre(module, args, kwargs, _name=name):
+            in_model[_name] -= counts.mode_calls
+
+        def post(module, args, kwargs, out, _name=name):
+            in_model[_name] += counts.mode_calls
+
+        ln.model.register_forward_pre_hook(pre, with_kwargs=True)
+        ln.model.register_forward_hook(post, with_kwargs=True)
+    for _ in range(2):
+        m_lean = lean.train_step(batch, objective, 2)
+    assert counts.collectives == 0
+    assert in_model["lean"] == 0  # the dense forward ran outside the device mode
+    monkeypatch.setattr(fwd, "_device_mode_off", lambda inner: contextlib.nullcontext())
+    for _ in range(2):
+        m_full = full.train_step(batch, objective, 2)
+    assert counts.collectives > 0 and in_model["full"] > 0
+    assert m_lean == m_full
+    for (name, a), b in zip(lean.model.named_parameters(), full.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_rope_reuses_cos_sin_with_the_same_numbers():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    initialize_parallel(ParallelLayout())  # applies the shims
+    g = torch.Generator().manual_seed(0)
+    freqs = torch.rand(7, 1, 1, 8, generator=g) * 6
+    t = torch.randn(7, 1, 4, 8, generator=g, requires_grad=True)
+    w = torch.randn(7, 1, 4, 8, generator=g)
+    cos_calls = []
+    real_cos = torch.cos
+
+    def cos(x):
+        cos_calls.append(x)
+        return real_cos(x)
+
+    patched = rope_utils._apply_rotary_pos_emb_bshd
+    original = patched.__closure__ and next(
+        c.cell_contents
+        for c in patched.__closure__
+        if getattr(c.cell_contents, "__name__", "") == "_apply_rotary_pos_emb_bshd"
+    )
+    assert original is not None and original is not patched
+    torch.cos = cos
+    try:
+        out = [patched(t, freqs) for _ in range(3)]  # query and keys of several layers
+    finally:
+        torch.cos = real_cos
+    assert len(cos_calls) == 1
+    ref = original(t, freqs)
+    (g_out,) = torch.autograd.grad((out[0] * w).sum(), t)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), t)
+    assert all(torch.equal(o, ref) for o in out)
+    assert torch.equal(g_out, g_ref)
