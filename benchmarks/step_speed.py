@@ -21,6 +21,14 @@ children included). Printed: median s/step over the steps after the first, CPU s
 seconds and voluntary context switches of the whole process, peak RSS, megarl's logged phase
 times (``time/rollout``, ``time/logprob``, ``time/train``, ``time/sync``), the threads of the megarl
 process that made the most voluntary context switches, and megarl / baseline ratios.
+
+Then, in a third process, the train step on its own: megarl's ``Learner.train_step`` (the learner,
+objective and non-finite guard the run builds) against a plain PyTorch forward + backward + gradient
+clipping + AdamW of the same model (transformers' Qwen3 holding the learner's weights) on the same
+packed batch of 16 x 8 GRPO sequences (the prompts of one step, random responses of 1-4 tokens, EOS
+where shorter, group-normalised random rewards), the two interleaved step by step; printed: the
+median thread CPU and wall milliseconds per step of each side and megarl / plain, and the two sides'
+losses at the first step (the same model on the same batch: they agree to float round-off).
 """
 
 from __future__ import annotations
@@ -286,6 +294,163 @@ def baseline_worker(out_path: str, steps: int, threads: int) -> None:
     )
 
 
+def train_step_worker(out_path: str, reps: int, threads: int) -> None:
+    """megarl's train step against plain PyTorch on one packed batch, in this process; writes JSON."""
+    import torch
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.batch import PackedBatch
+    from megarl.faults.guard import NonFiniteGuard
+    from megarl.learner.factory import build_learner, export_state
+    from megarl.learner.parallel import ParallelLayout, initialize_parallel
+    from megarl.objectives.rl_objective import build_objective
+    from megarl.trainer.config_loading import load_config
+    from megarl.trainer.setup import tokenizer_and_hf_config
+
+    torch.set_num_threads(threads)
+    work = Path(tempfile.mkdtemp(prefix="megarl-train-step-"))
+    cfg = load_config(ROOT / "examples/quickstart.yaml", megarl_overrides(2, str(work / "run")))
+    tok, hf = tokenizer_and_hf_config(cfg)
+    groups = initialize_parallel(ParallelLayout(tp=1))
+    learner = build_learner(
+        hf, groups, cfg.optimizer, cfg.model.params_dtype, cfg.model.seed, fused_output=cfg.model.fused_output
+    )
+    if cfg.faults.detect and cfg.faults.detectors.skip_nonfinite:
+        NonFiniteGuard(learner).install()  # as the run does
+    objective = build_objective(cfg.objective)
+
+    # the batch: one step's prompts x N samples of 1..MAX_NEW random tokens (EOS ends the shorter)
+    g = torch.Generator().manual_seed(0)
+    rows = [json.loads(x) for x in (ROOT / "examples/data/reverse3-train.jsonl").read_text().splitlines()]
+    prompts = [tok.encode(r["prompt"]) for r in rows[:PROMPTS] for _ in range(N)]
+    B = len(prompts)
+    resp_len = torch.randint(1, MAX_NEW + 1, (B,), generator=g)
+    resp_len[torch.rand(B, generator=g) < 0.7] = MAX_NEW
+    seqs, masks = [], []
+    for p, n in zip(prompts, resp_len.tolist()):
+        r = torch.randint(0, tok.vocab_size, (n,), generator=g)
+        if n < MAX_NEW:
+            r[-1] = tok.eos_id
+        seqs.append(torch.cat([torch.tensor(p), r]))
+        masks.append(torch.cat([torch.zeros(len(p)), torch.ones(n)]))
+    rewards = (torch.rand(B, generator=g) < 0.5).float().view(PROMPTS, N)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
+    lens = torch.tensor([len(x) for x in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    mask = torch.cat(masks)
+    batch = PackedBatch(
+        tokens=torch.cat(seqs),
+        cu_seqlens=cu,
+        prompt_lens=torch.tensor([len(p) for p in prompts]),
+        loss_mask=mask,
+        group_ids=torch.arange(B) // N,
+        advantages=adv.repeat_interleave(lens) * mask,
+    ).validate()
+
+    # the plain side: transformers' model with the learner's weights, the batch right-padded
+    hf_cfg = AutoConfig.for_model(**hf)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(export_state(learner), strict=False)
+    if unexpected or [k for k in missing if "rotary" not in k]:
+        sys.exit(f"step_speed: HF weights do not match: missing {missing}, unexpected {unexpected}")
+    model.train()
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        weight_decay=o.weight_decay,
+    )
+    L = int(lens.max())
+    ids = torch.full((B, L), tok.pad_id)
+    pmask = torch.zeros(B, L)
+    padv = torch.zeros(B, L)
+    for i, (x, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(x)] = x
+        pmask[i, : len(x)] = m
+        padv[i] = adv[i]
+    tgt, pm, pa = ids[:, 1:], pmask[:, 1:], padv[:, 1:]
+    clip_low, clip_high = cfg.objective.clip_low, cfg.objective.clip_high
+
+    def plain() -> float:
+        logits = model(ids).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())  # on-policy: old = current, detached
+        pg = -torch.min(ratio * pa, ratio.clamp(1 - clip_low, 1 + clip_high) * pa)
+        loss = (pg * pm).sum() / pm.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        opt.step()
+        return float(loss)
+
+    def plain_outside_mode() -> float:  # the CPU shims' torch-function mode is megarl's cost only
+        mode = _get_current_function_mode()
+        if mode is None:
+            return plain()
+        with _pop_mode_temporarily():
+            return plain()
+
+    def megarl() -> float:
+        return learner.train_step(batch, objective, 1, old_from_forward=True)["loss"]
+
+    first = {"megarl": megarl(), "plain": plain_outside_mode()}
+    times: dict[str, list[tuple[float, float]]] = {"megarl": [], "plain": []}
+    load = [os.getloadavg()[0]]
+    for _ in range(reps):
+        for name, f in (("megarl", megarl), ("plain", plain_outside_mode)):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            f()
+            times[name].append((time.thread_time() - c0, time.perf_counter() - t0))
+    load.append(os.getloadavg()[0])
+    res = {
+        "tokens": int(cu[-1]),
+        "padded_tokens": B * L,
+        "reps": reps,
+        "first_loss": first,
+        "load": load,
+        **{
+            f"{k}_{what}_ms": 1000 * statistics.median(t[i] for t in v)
+            for k, v in times.items()
+            for i, what in enumerate(("cpu", "wall"))
+        },
+    }
+    Path(out_path).write_text(json.dumps(res))
+
+
+def run_train_step(reps: int, threads: int, work: Path) -> dict:
+    """``train_step_worker`` in its own process."""
+    env = dict(
+        os.environ, MEGARL_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT)
+    )
+    out = work / "train_step.json"
+    cmd = [sys.executable, __file__, "--train-step-worker", str(out), "--reps", str(reps)]
+    with open(work / "train_step.log", "w") as log:
+        rc = subprocess.call(cmd + ["--threads", str(threads)], env=env, cwd=ROOT, stdout=log, stderr=log)
+    if rc != 0:
+        sys.exit(f"step_speed: the train-step comparison exited {rc}; see {work / 'train_step.log'}")
+    return json.loads(out.read_text())
+
+
+def report_train_step(t: dict) -> None:
+    """Print megarl's train step against the plain one."""
+    print(
+        f"train step vs plain forward+backward+AdamW on the same packed batch ({t['tokens']} tokens; "
+        f"plain: {t['padded_tokens']} padded; one process, interleaved, median of {t['reps']}, "
+        f"load average {t['load'][0]:.1f}-{t['load'][1]:.1f}):"
+    )
+    print(f"{'':<34} {'megarl':>12} {'plain':>12} {'ratio':>8}")
+    for what in ("cpu", "wall"):
+        m, b = t[f"megarl_{what}_ms"], t[f"plain_{what}_ms"]
+        print(
+            f"{'  thread CPU ms' if what == 'cpu' else '  wall ms':<34} {m:>12.1f} {b:>12.1f} {m / b:>7.2f}x"
+        )
+    f = t["first_loss"]
+    print(f"{'  loss at the first step':<34} {f['megarl']:>12.6f} {f['plain']:>12.6f}")
+
+
 def report(m: dict, b: dict | None) -> None:
     """Print megarl's figures, the baseline's and megarl / baseline."""
 
@@ -325,24 +490,37 @@ def main() -> None:
     ap.add_argument("--megarl-arg", action="append", default=[], help="extra megarl override (repeatable)")
     ap.add_argument("--workdir", help="where the runs and logs go (default: a temporary directory)")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--reps", type=int, default=30, help="steps of each side in the train-step comparison")
+    ap.add_argument("--skip-train-step", action="store_true", help="no train-step comparison")
+    ap.add_argument("--train-step-only", action="store_true", help="only the train-step comparison")
     ap.add_argument("--baseline-worker", metavar="OUT", help=argparse.SUPPRESS)
+    ap.add_argument("--train-step-worker", metavar="OUT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.baseline_worker:
         sys.path.insert(0, str(ROOT))
         baseline_worker(args.baseline_worker, args.steps, args.threads)
         return
+    if args.train_step_worker:
+        sys.path.insert(0, str(ROOT))
+        train_step_worker(args.train_step_worker, args.reps, args.threads)
+        return
     work = Path(args.workdir or tempfile.mkdtemp(prefix="megarl-step-speed-"))
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    m = run_megarl(args.steps, args.threads, work, args.megarl_arg)
-    b = None if args.skip_baseline else run_baseline(args.steps, args.threads, work)
-    print(
-        f"{args.steps} steps, {args.threads} torch thread(s), load average {load:.1f} at start; "
-        f"logs in {work}"
-    )
-    report(m, b)
+    m = b = t = None
+    if not args.train_step_only:
+        m = run_megarl(args.steps, args.threads, work, args.megarl_arg)
+        b = None if args.skip_baseline else run_baseline(args.steps, args.threads, work)
+    if not args.skip_train_step:
+        t = run_train_step(args.reps, args.threads, work)
+    print(f"{args.threads} torch thread(s), load average {load:.1f} at start; logs in {work}")
+    if m is not None:
+        print(f"{args.steps} steps of the RL loop:")
+        report(m, b)
+    if t is not None:
+        report_train_step(t)
     if args.json:
-        Path(args.json).write_text(json.dumps({"megarl": m, "baseline": b}, indent=1))
+        Path(args.json).write_text(json.dumps({"megarl": m, "baseline": b, "train_step": t}, indent=1))
 
 
 if __name__ == "__main__":
