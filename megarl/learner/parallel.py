@@ -158,6 +158,9 @@ def initialize_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGro
 
     On CPU this first applies the megatron-core CPU shims (megarl.learner.cpu_shims).
     """
+    from megarl.learner.megatron_import import import_megatron
+
+    import_megatron()  # first, so that megatron-core is imported without torch's compiler stack
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
