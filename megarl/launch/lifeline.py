@@ -11,7 +11,7 @@ Four mechanisms, for four kinds of children:
   joined by the same thread (megatron's checkpoint bucket writers).
 - ``exit_when_parent_dies(parent_pid)``: a daemon thread in the child itself that exits the process
   once its parent is gone; for long-lived Python helpers whose starting thread may end first
-  (a ``multiprocessing`` Manager server, via its ``initializer``).
+  (the reward sandbox's worker; a ``multiprocessing`` Manager server, via its ``initializer``).
 - ``shared_watchdog().watch(pgid)``: a separate process that kills whole process groups (SIGTERM,
   then SIGKILL) once this process is gone; for servers that fork workers of their own or run under
   ``srun``, where a signal to one process is not enough. It learns of the death from a pipe: the

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from megarl.launch.lifeline import exit_when_parent_dies, forks_die_with_parent
+from megarl.launch.lifeline import forks_die_with_parent
 from megarl.learner.learner import Learner
 
 # chained_optim_avoid_prefix: the dense and expert optimizers (EP > 1) save their per-parameter state
@@ -336,10 +337,10 @@ STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGINT})
 def stop_signals_blocked_in_helpers() -> Iterator[None]:
     """Block the stop signals in this thread while megatron's checkpoint writer starts its helpers.
 
-    dist_checkpointing's writer forks one worker per bucket and, once per process, *spawns* a
-    ``multiprocessing.Manager`` server that lives on across saves. Those processes do not run the
-    trainer's handlers: a SIGUSR1/SIGTERM that Slurm sends to the whole step kills them (default
-    action), and the next save fails with BrokenPipeError/EOFError. A blocked signal mask is inherited
+    dist_checkpointing's writer forks one worker per bucket (megatron's own results queue would also
+    spawn a ``multiprocessing.Manager`` server; ``_install_writer_results_queue`` replaces it). Those
+    processes do not run the trainer's handlers: a SIGUSR1/SIGTERM that Slurm sends to the whole step
+    kills them (default action), and the save fails with BrokenPipeError/EOFError. A blocked signal mask is inherited
     through fork and kept across exec, so helpers born inside this block never act on these signals.
     This process still gets them: they are delivered to another thread or once the block ends.
     """
@@ -350,32 +351,23 @@ def stop_signals_blocked_in_helpers() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-_writer_manager = None  # the Manager behind megatron's results queue (kept alive with it)
-
-
 def _install_writer_results_queue() -> None:
-    """Give megatron's checkpoint writer a results queue whose Manager server dies with this process.
+    """Give megatron's checkpoint writer an in-process results queue.
 
-    megatron makes that queue itself on first use (``filesystem_async._get_write_results_queue``:
-    a spawned ``multiprocessing`` Manager that lives on across saves) and nothing ends the server
-    when the trainer is SIGKILLed; with the stop signals blocked it would not even end on SIGTERM.
-    Here the server gets a thread that exits it once its parent is gone (``exit_when_parent_dies``;
-    not ``PR_SET_PDEATHSIG``, which fires when the *thread* that started the child ends).
+    megatron makes that queue itself on first use (``filesystem_async._get_write_results_queue``): a
+    ``multiprocessing`` Manager server, *spawned* (a new interpreter that imports the trainer's
+    modules again: ~1-2 CPU s and one more process at the first save, then alive across saves). Its
+    producer and consumer are this process whenever a save is synchronous, as every megarl save is
+    (``dist_checkpointing.save``): the writer collects its forked bucket writers' results in this
+    process and hands them to itself, so a ``queue.Queue`` does the same with no server process.
     """
-    global _writer_manager
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         return
     if getattr(filesystem_async, "_results_queue", "absent") is not None:  # made already, or not used
         return
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=exit_when_parent_dies, initargs=(os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()
-    _writer_manager = manager
+    filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
@@ -396,8 +388,8 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> str:
     state = _sharded_state(learner, is_loading=False)
     state["scheduler"] = learner.scheduler.state_dict()
     state["step"] = learner.step
-    # The writer's helpers ignore the stop signals and die with this process (SIGKILL included):
-    # forked bucket writers by PR_SET_PDEATHSIG, the Manager server by its own watch on its parent.
+    # The writer's forked bucket writers ignore the stop signals and die with this process (SIGKILL
+    # included: PR_SET_PDEATHSIG); its results queue is in-process (no Manager server).
     with stop_signals_blocked_in_helpers(), forks_die_with_parent():
         _install_writer_results_queue()
         dist_checkpointing.save(state, tmp)

@@ -1,7 +1,7 @@
 """A stand-in trainer for test_checkpoint_orphans.py: saves one learner checkpoint (megatron's
 writer starts its helper processes), prints ``HELPERS <json>`` with every process descended from
-it, then sleeps until the test SIGKILLs it. A ``__main__`` guard matters: the writer spawns a
-Manager that re-imports this file.
+it, then sleeps until the test SIGKILLs it. A ``__main__`` guard keeps a spawned child (megatron's
+own results-queue Manager, when megarl's in-process queue is not installed) from running it again.
 """
 
 from __future__ import annotations

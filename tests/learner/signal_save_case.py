@@ -1,6 +1,7 @@
 """Checkpoint saves while the whole process group is pelted with SIGUSR1 (Slurm signals every
 process of a job step). Run by test_checkpoint_signals.py in a session of its own; prints one line
-``RESULT {json}``. A ``__main__`` guard matters: megatron's writer spawns a Manager that re-imports it.
+``RESULT {json}``. A ``__main__`` guard keeps a spawned child (megatron's own results-queue Manager)
+from running it again.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """The helper processes of a learner checkpoint die with the trainer, even a SIGKILLed one.
 
-megatron's writer spawns a ``multiprocessing`` Manager server once per process (it lives on across
-saves) and forks bucket writers; megarl blocks SIGTERM/SIGUSR1 in them (test_checkpoint_signals),
-so only SIGKILL could stop them, and nothing stopped them when the trainer was SIGKILLed.
+megatron's writer forks bucket writers (and would spawn a ``multiprocessing`` Manager server for its
+results queue, which megarl replaces with an in-process queue); megarl blocks SIGTERM/SIGUSR1 in
+them (test_checkpoint_signals), so only SIGKILL could stop them, and nothing stopped them when the
+trainer was SIGKILLed. With the in-process queue no helper outlives a save
+(test_step_overhead.py checks that in-process); this test SIGKILLs a trainer after a save and
+checks that whatever it left is gone within 10 s.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ def test_checkpoint_helpers_die_with_a_sigkilled_trainer(tmp_path):
             if line.startswith("HELPERS "):
                 break
         assert line.startswith("HELPERS "), f"the trainer exited with {trainer.wait()} before saving"
+        # processes alive after the save: none with megarl's in-process results queue (the bucket
+        # writers are joined); any there is must die with the SIGKILLed trainer
         helpers = {pid: start_time(pid) for pid in json.loads(line[8:])}
-        assert helpers, "the save started no helper process: nothing to test"
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(10)
         deadline = time.monotonic() + 10

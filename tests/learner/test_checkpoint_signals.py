@@ -1,7 +1,7 @@
 """Learner checkpoints survive the stop signals Slurm sends to every process of a step.
 
-megatron's checkpoint writer runs helper processes (forked bucket writers, a spawned Manager
-server) that do not share the trainer's handlers; before megarl blocked the stop signals around
+megatron's checkpoint writer runs helper processes (forked bucket writers) that do not share the
+trainer's handlers; before megarl blocked the stop signals around
 the save, a SIGUSR1 to the process group killed them and every later save failed (EOFError).
 """
 

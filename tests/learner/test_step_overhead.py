@@ -1,7 +1,8 @@
 """The one-process learner's step skips work that cannot change a number, and its numbers are those
 of the full path: no gradient reduce-scatter or parameter all-gather over a group of one process
 (megarl/learner/ddp.py), the CPU shims' device mode off in a dense model's forward and in the torch
-optimizer's step, RoPE's cos/sin computed once per forward (cpu_shims P11)."""
+optimizer's step, RoPE's cos/sin computed once per forward (cpu_shims P11); a checkpoint save
+spawns no ``multiprocessing`` Manager server for the writer's results (megarl/learner/dist_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,55 @@ def test_rope_reuses_cos_sin_with_the_same_numbers():
     (g_ref,) = torch.autograd.grad((ref * w).sum(), t)
     assert all(torch.equal(o, ref) for o in out)
     assert torch.equal(g_out, g_ref)
+
+
+def test_checkpoint_save_starts_no_manager_process(tmp_path):
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megarl.learner.dist_checkpoint import load_checkpoint, save_checkpoint
+
+    ln = _learner()
+    ln.train_step(make_batch(5, (9, 6), vocab=VOCAB), build_objective({"policy_loss": "ppo"}), 1)
+    save_checkpoint(ln, tmp_path / "a")
+    save_checkpoint(ln, tmp_path / "b")
+    assert isinstance(filesystem_async._results_queue, queue.Queue)
+    assert multiprocessing.active_children() == []  # the bucket writers are joined; no server lives on
+    fresh = _learner()
+    load_checkpoint(fresh, tmp_path / "b")
+    for (name, a), b in zip(ln.model.named_parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_megatron_imports_without_torch_compiler_stack():
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch; from megarl.learner.megatron_import import import_megatron; import_megatron(); "
+        "import megatron.core.jit as j; print('torch._inductor' in sys.modules, j.jit_fuser is torch.compile)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
+
+
+def test_deferred_compile_calls_the_real_one_at_first_use():
+    from megarl.learner.megatron_import import _deferred
+
+    made = []
+
+    def real(fn, **kwargs):
+        made.append(kwargs)
+        return lambda *a: ("compiled", fn(*a))
+
+    def double(x):
+        return 2 * x
+
+    lazy = _deferred(real)(double)
+    assert made == [] and lazy.__name__ == "double"
+    assert lazy(3) == ("compiled", 6) and lazy(4) == ("compiled", 8)
+    assert made == [{}]
+    assert _deferred(real)(mode="max-autotune")(double)(1) == ("compiled", 2)
+    assert made[-1] == {"mode": "max-autotune"}
