@@ -18,7 +18,8 @@ setup:
 setup-python:
 	bash tests/setup/10-python.sh
 
-# SGLang 0.5.23 on CPU in .venv-sglang (opt-in: ~8 minutes, 3.2 GB); the live SGLang tests need it.
+# SGLang 0.5.23 on CPU, linked as .venv-sglang (the venv is cached in ~/.cache/megarl); the live SGLang
+# tests need it. `make setup` installs it too unless MEGARL_SKIP_SGLANG_SETUP=1 (docs/rollout.md).
 setup-sglang:
 	bash tests/setup/40-sglang.sh
 

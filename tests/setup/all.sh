@@ -3,7 +3,6 @@
 # public registries by package name (torch==2.13.0 first, so nothing pulls a CUDA build).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export MEGARL_SETUP_ALL=1  # opt-in steps (40-sglang.sh) skip unless asked for
 for step in "$here"/[0-9][0-9]-*.sh; do
   echo "== setup: $(basename "$step")"
   bash "$step"

@@ -8,6 +8,11 @@ Every step's rollouts must come from exactly the weights the learner holds when 
 their logprobs (fp32 server vs fp32 learner), while the policy moves away from the reference by
 far more than that gap: a server stuck on the initial weights would show a gap of at least
 |rollout/kl_old_ref|. Skips without the SGLang venv (as tests/rollout/test_sglang_live.py does).
+
+Not part of CI (``CI=true`` skips it; ``MEGARL_SGLANG_LOOP=1`` runs it there too): a second SGLang
+server start plus a 4-step run, 143 s measured at load average 2.8-8.2, where the suite has no room
+left; tests/rollout/test_sglang_live.py covers the client, the in-memory sync and its checksums in
+CI, and tests/trainer/test_vllm_loop.py the same loop with a launched vLLM.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rollout.server_process import default_sglang_python
+from tests.sglang_venv import require_sglang_python
 
 ROOT = Path(__file__).parents[2]
 STEPS = 4
@@ -29,12 +34,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_quickstart_launches_sglang_and_syncs_weights_in_memory(tmp_path):
-    python = default_sglang_python()
-    if not Path(python).exists():
-        msg = f"SGLANG LIVE TESTS NOT RUN: no SGLang python at {python} (bash tests/setup/40-sglang.sh)"
-        if os.environ.get("MEGARL_REQUIRE_SGLANG") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+    if ci and os.environ.get("MEGARL_SGLANG_LOOP") != "1":
+        pytest.skip("kept out of CI for time (about 2 minutes); MEGARL_SGLANG_LOOP=1 runs it")
+    python = require_sglang_python()
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,

@@ -8,6 +8,7 @@ Idempotent. Usage: python patch_torchvision.py <site-packages dir>
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -30,7 +31,11 @@ def main(site_packages: str) -> None:
     if PATCHED in text:
         print(f"already patched: {path}")
     elif ORIGINAL in text:
-        path.write_text(text.replace(ORIGINAL, PATCHED))
+        # a new file replaces the old one: the installed file may be a hard link into an installer's
+        # cache (uv links by default), which an in-place write would change for every venv sharing it
+        tmp = path.with_name(path.name + ".megarl-tmp")
+        tmp.write_text(text.replace(ORIGINAL, PATCHED))
+        os.replace(tmp, path)
         print(f"patched: {path}")
     else:
         sys.exit(f"{path}: unexpected layout, the import block to patch was not found")
