@@ -308,10 +308,55 @@ def layer_spec(config, spec: ModelSpec, groups: ParallelGroups):
         return gls.get_gpt_layer_with_transformer_engine_spec(
             num_experts=None, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=spec.qk_layernorm
         )
-    local = gls.get_gpt_layer_local_spec(
-        num_experts=None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
+    local = _with_gated_mlp(
+        gls.get_gpt_layer_local_spec(
+            num_experts=None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
+        )
     )
     return _with_varlen_attention(local) if cpu_varlen() else local
+
+
+@cache
+def gated_mlp_class() -> type:
+    """``GatedMLP``: megatron's ``MLP`` whose gated forward is ``act(gate) * up`` on the two halves of
+    ``linear_fc1``'s output. megatron's own adds ``glu_linear_offset`` (0.0) to the up half first,
+    which copies that strided half (and its gradient) on every layer; the numbers are the same (up
+    to the sign of an exact zero). Other configurations take megatron's forward."""
+    from megatron.core.transformer.mlp import MLP
+
+    class GatedMLP(MLP):
+        """The local spec's dense MLP (see ``gated_mlp_class``)."""
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            c = self.config
+            if (
+                per_token_scale is not None
+                or not c.gated_linear_unit
+                or c.use_te_activation_func
+                or c.bias_activation_fusion
+                or c.activation_func_clamp_value is not None
+                or c.glu_linear_offset != 0.0
+            ):
+                return super().forward(hidden_states, per_token_scale, **kwargs)
+            h, bias = self.linear_fc1(hidden_states)
+            if bias is not None:
+                h = h + bias
+            gate, up = torch.chunk(h, 2, dim=-1)
+            return self.linear_fc2(c.activation_func(gate) * up)
+
+    return GatedMLP
+
+
+def _with_gated_mlp(layer):
+    """A local layer spec whose dense MLP is ``GatedMLP`` (``gated_mlp_class``)."""
+    from dataclasses import replace
+
+    from megatron.core.transformer.mlp import MLP
+
+    mlp = layer.submodules.mlp
+    if getattr(mlp, "module", None) is not MLP:
+        return layer
+    return replace(layer, submodules=replace(layer.submodules, mlp=replace(mlp, module=gated_mlp_class())))
 
 
 def _with_varlen_attention(layer):

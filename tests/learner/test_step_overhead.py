@@ -181,3 +181,31 @@ def test_deferred_compile_calls_the_real_one_at_first_use():
     assert made == [{}]
     assert _deferred(real)(mode="max-autotune")(double)(1) == ("compiled", 2)
     assert made[-1] == {"mode": "max-autotune"}
+
+
+def test_gated_mlp_gives_megatron_mlp_numbers():
+    import types
+
+    from megatron.core.transformer.mlp import MLP
+
+    from megarl.learner.forward import packed_inputs, run_model
+    from megarl.learner.model import build_gpt_model
+
+    torch.manual_seed(0)
+    model = build_gpt_model(HF, initialize_parallel(ParallelLayout()))
+    mlps = [layer.mlp for layer in model.decoder.layers]
+    assert all(type(m).__name__ == "GatedMLP" for m in mlps)
+    tokens, cu = torch.randint(0, VOCAB, (13,)), torch.tensor([0, 6, 13])
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = run_model(model, packed_inputs(tokens, cu, torch.device("cpu")))
+        (out.float().square().mean()).backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    out, grads = run()
+    for m in mlps:
+        m.forward = types.MethodType(MLP.forward, m)  # megatron's own forward
+    ref, ref_grads = run()
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
