@@ -340,8 +340,9 @@ def stop_signals_blocked_in_helpers() -> Iterator[None]:
     dist_checkpointing's writer forks one worker per bucket (megatron's own results queue would also
     spawn a ``multiprocessing.Manager`` server; ``_install_writer_results_queue`` replaces it). Those
     processes do not run the trainer's handlers: a SIGUSR1/SIGTERM that Slurm sends to the whole step
-    kills them (default action), and the save fails with BrokenPipeError/EOFError. A blocked signal mask is inherited
-    through fork and kept across exec, so helpers born inside this block never act on these signals.
+    kills them (default action), and the save fails with BrokenPipeError/EOFError. A blocked signal
+    mask is inherited through fork and kept across exec, so helpers born inside this block never act
+    on these signals.
     This process still gets them: they are delivered to another thread or once the block ends.
     """
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
