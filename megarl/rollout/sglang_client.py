@@ -20,7 +20,9 @@ Behaviour measured on SGLang 0.5.23 that shapes this client (see megarl/testing/
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,6 +37,11 @@ from megarl.rollout.types import (
     WeightsDirError,
 )
 from megarl.rollout.weights import check_weights_dir
+
+# SGLang's answer when a reload from disk succeeded but its cache flush was refused because a request
+# still ran; it comes right after a generate returns (the scheduler retires the request a moment later)
+UNFLUSHED = "Weights were updated, but the cache was not flushed"
+UNFLUSHED_RETRY_S = 30.0
 
 
 class SGLangEngine(HttpEngine):
@@ -207,6 +214,9 @@ class SGLangEngine(HttpEngine):
     ) -> None:
         """Reload weights from a directory on the server's disk. SGLang keeps serving the old
         weights when the reload fails, so a failure raises ``WeightsDirError`` and the engine stays up.
+        A reload whose cache flush SGLang refused (a request it had just answered still counted as
+        running) changed the weights: it is loaded again until the flush goes through, for up to
+        ``UNFLUSHED_RETRY_S`` (then ``RolloutError``, not ``WeightsDirError``).
         ``check_dir=False`` skips the local check (the directory is on another node)."""
         path = str(weights_dir)
         if check_dir:
@@ -217,12 +227,25 @@ class SGLangEngine(HttpEngine):
             body["weight_version"] = version
         if not flush_cache:
             body["flush_cache"] = False
-        try:
-            out = await self.request("POST", "/update_weights_from_disk", json_body=body, admin=True)
-        except BadRequestError as e:
-            raise WeightsDirError(
-                f"{self.name}: server refused the weights at {path}; it keeps the old weights ({e})"
-            ) from e
+        deadline = time.monotonic() + UNFLUSHED_RETRY_S
+        while True:
+            try:
+                out = await self.request("POST", "/update_weights_from_disk", json_body=body, admin=True)
+                break
+            except BadRequestError as e:
+                if UNFLUSHED in str(e) and time.monotonic() < deadline:
+                    # the weights loaded but a request the server had just answered still counted as
+                    # running, so the flush (and the call) failed: load again once it has retired
+                    await asyncio.sleep(0.2)
+                    continue
+                if UNFLUSHED in str(e):
+                    raise RolloutError(
+                        f"{self.name}: the weights at {path} were loaded but the cache of the old ones "
+                        f"could not be flushed in {UNFLUSHED_RETRY_S:.0f} s (requests kept running): {e}"
+                    ) from e
+                raise WeightsDirError(
+                    f"{self.name}: server refused the weights at {path}; it keeps the old weights ({e})"
+                ) from e
         if not (isinstance(out, dict) and out.get("success")):
             raise WeightsDirError(f"{self.name}: weight update from {path} failed: {out}")
         if version is not None:
@@ -248,7 +271,6 @@ class SGLangEngine(HttpEngine):
         weights and version (the error is re-raised); a failure after that (weights partly new,
         group broken, server gone) marks the engine dead and raises ``EngineDeadError``.
         """
-        import asyncio
 
         if self._reference_names is not None:
             missing = sorted(self._reference_names - set(names))
@@ -292,8 +314,6 @@ class SGLangEngine(HttpEngine):
     async def _flush_after_sync(self, wait_s: float = 30.0) -> None:
         """Drop the cache the old weights computed; SGLang refuses while requests (another
         client's) still run, so retry for ``wait_s``."""
-        import asyncio
-        import time
 
         deadline = time.monotonic() + wait_s
         while not await self.flush_cache():
@@ -310,7 +330,6 @@ class SGLangEngine(HttpEngine):
 
     async def _sync_bucket(self, channel, bucket: dict, digests) -> None:
         """Announce one bucket and broadcast its tensors at the same time."""
-        import asyncio
 
         from megarl.rollout.sglang_sync import bucket_meta
 
@@ -356,7 +375,6 @@ class SGLangEngine(HttpEngine):
 
     async def _weight_channel(self):
         """The group with this server's ranks, opened on first use (backend by the server's device)."""
-        import asyncio
 
         from megarl.rollout.memory_sync import channel_host, choose_backend, sglang_workers
         from megarl.rollout.sglang_sync import GroupChannel
@@ -457,7 +475,6 @@ async def _together(call, transfer) -> None:
     """Run an HTTP call and the matching group transfer together. If one fails the other is not
     awaited: the transfer's thread waits for its peer until the group's timeout, and its error,
     if any, is dropped."""
-    import asyncio
 
     tasks = [asyncio.ensure_future(call), asyncio.ensure_future(transfer)]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

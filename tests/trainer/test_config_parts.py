@@ -151,14 +151,17 @@ SPEC = MethodSpec(
 """
 
 
-def test_a_users_package_contributes_its_section_and_keys_when_its_method_is_imported(tmp_path, monkeypatch):
+def test_a_users_package_contributes_its_section_and_keys_when_its_method_is_imported(
+    tmp_path, monkeypatch, request
+):
     """A method outside megarl (``method.import``) registers config parts at import: they load,
     range-check and are refused without the package, like the built-in ones."""
     (tmp_path / "user_limits_pkg.py").write_text(USER_PACKAGE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "user_limits_pkg", raising=False)
-    monkeypatch.delitem(SECTIONS, "limits", raising=False)  # undone after the test, with what it added
-    monkeypatch.delitem(KEYS["environment"], "user_echo", raising=False)
+    # what the package adds is removed after the test (other tests see the built-in registry only)
+    request.addfinalizer(lambda: sys.modules.pop("user_limits_pkg", None))
+    request.addfinalizer(lambda: SECTIONS.pop("limits", None))
+    request.addfinalizer(lambda: KEYS["environment"].pop("user_echo", None))
     monkeypatch.setattr(WORKFLOWS, "_items", dict(WORKFLOWS._items))
     monkeypatch.setattr(WORKFLOWS, "_info", dict(WORKFLOWS._info))
     with pytest.raises(ConfigError, match="unknown .*limits"):
