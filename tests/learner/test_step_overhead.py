@@ -12,27 +12,11 @@ import torch
 
 from megarl.learner import cpu_shims
 from megarl.learner import forward as fwd
-from megarl.learner.learner import Learner, LearnerConfig, OptimConfig
+from megarl.learner.learner import Learner
 from megarl.learner.parallel import ParallelLayout, initialize_parallel
 from megarl.objectives.rl_objective import build_objective
-from megarl.testing.tiny_qwen3 import TINY_QWEN3_HF
 from tests.learner.dist_cases import make_batch
-
-VOCAB = 48
-HF = dict(
-    TINY_QWEN3_HF,
-    vocab_size=VOCAB,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=128,
-)
-
-
-def _learner() -> Learner:
-    groups = initialize_parallel(ParallelLayout())
-    return Learner(LearnerConfig(hf_config=HF, optim=OptimConfig(lr=1e-2, clip_grad=1.0), seed=7), groups)
+from tests.learner.test_old_logprobs_reuse import HF, VOCAB, _learner
 
 
 def _full_path(ln: Learner) -> None:
