@@ -114,9 +114,9 @@ class DataConfig:
     answer_field: str = "answer"
     task_field: str = "task"
     prompt_template: str = "{prompt}"
-    # wrap the rendered prompt as a user turn with the HF tokenizer's chat template
+    # wrap the rendered prompt as a user message with the HF tokenizer's chat template
     chat_template: bool = False
-    system_prompt: str | None = None  # chat_template: an optional system turn before the user turn
+    system_prompt: str | None = None  # chat_template: an optional system message before the user message
     on_bad_row: Literal["fatal", "skip"] = "fatal"
     max_bad_rows: int = 10  # with on_bad_row=skip: more bad rows than this is fatal
     generate: dict | None = None  # {task: reverse|add|copy|grid, ...} see megarl.data.tasks
@@ -181,8 +181,8 @@ class EnvironmentConfig:
     that ``name``."""
 
     name: str = "none"  # a WORKFLOWS name (megarl/rollout/workflow.py)
-    max_turns: int = 2  # answers per episode at most
-    feedback: str = " {prompt}"  # the observation after a wrong answer (template over {prompt})
+    max_turns: int = 2  # answers per sample at most
+    feedback: str = " {prompt}"  # the text sent after a wrong answer (template over {prompt})
     # the chosen workflow's own keys (its dataclass; no YAML key of its own)
     chosen: Any = field(default=None, metadata={CHOSEN_BY: "name"})
 

@@ -6,7 +6,7 @@ One step::
       -> broadcast to every rank -> packed batch   (or the method's batch source's batch)
       -> sequences a step hook appends (``BatchExtender``: every rank, before the learner inputs)
       -> learner inputs (old logprobs, entropies, frozen models' passes: one each, as required)
-      -> batch inputs (turn structure, method extras, reward dimensions) -> advantages
+      -> batch inputs (answer spans, method extras, reward dimensions) -> advantages
       -> ppo_epochs x mini_batches optimizer steps (step hooks around them)
       -> weight sync to the engine -> metrics -> checkpoint
 

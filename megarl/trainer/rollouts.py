@@ -21,7 +21,7 @@ from megarl.data.dataset import PromptRow
 @dataclass
 class SampleRecord:
     """One finished sample: ``token_ids``/``logprobs`` [R]; ``text``: what was scored; ``loss_mask``
-    [R], ``turn_spans`` and ``turn_rewards`` (one per assistant turn) for multi-turn episodes;
+    [R], ``turn_spans`` and ``turn_rewards`` (one per answer) for samples of several answers;
     ``version``: the oldest policy version that
     generated any of its tokens; ``mixed``: generated across a weight update; ``extras``: the
     workflow's per-sample values (name -> float or row)."""
@@ -130,9 +130,9 @@ class Rollouts:
     responses: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     extras: dict[str, list[float]] = field(default_factory=dict)
-    response_masks: list = field(default_factory=list)  # multi-turn: per sample [R] 1 on answer tokens
-    turn_spans: list = field(default_factory=list)  # multi-turn: per sample [(start, end, role)]
-    turn_rewards: list = field(default_factory=list)  # multi-turn: per sample [reward of each assistant turn]
+    response_masks: list = field(default_factory=list)  # several answers: per sample [R] 1 on answer tokens
+    turn_spans: list = field(default_factory=list)  # several answers: per sample [(start, end, role)]
+    turn_rewards: list = field(default_factory=list)  # several answers: per sample [reward of each answer]
     versions: list[int] = field(default_factory=list)
 
 
@@ -166,12 +166,10 @@ def rollouts_from_groups(
     return ro
 
 
-def apply_episode_structure(
-    batch: PackedBatch, response_masks: list[list[float]], turn_spans: list[list]
-) -> None:
-    """Episodes in a batch built by ``from_sequences`` (whose loss mask covers every token after the
-    prompt): the loss mask becomes 1 on answer tokens only (``response_masks[i]``: [R_i]) and
-    ``batch.turn_spans`` the episodes' turn structure. In place."""
+def apply_answer_masks(batch: PackedBatch, response_masks: list[list[float]], turn_spans: list[list]) -> None:
+    """Samples of several answers in a batch built by ``from_sequences`` (whose loss mask covers every
+    token after the prompt): the loss mask becomes 1 on answer tokens only (``response_masks[i]``:
+    [R_i]) and ``batch.turn_spans`` their answer spans. In place."""
     if len(response_masks) != batch.num_seqs or len(turn_spans) != batch.num_seqs:
         raise ValueError(
             f"{batch.num_seqs} sequences but {len(response_masks)} response masks and "
@@ -191,8 +189,8 @@ def apply_episode_structure(
 
 def build_batch(ro: Rollouts, step: int) -> PackedBatch:
     """The packed batch of ``ro``: rollout logprobs (0 on prompts, clamped <= 0), per-sample policy
-    versions (``step - 1`` when ``ro.versions`` is empty), multi-turn structure when present
-    (``turn_spans``, and ``extras["turn_rewards"]`` [B, S] when the environment gave turn rewards)."""
+    versions (``step - 1`` when ``ro.versions`` is empty), answer spans when present
+    (``turn_spans``, and ``extras["turn_rewards"]`` [B, S] when the environment rewarded each answer)."""
     lp: list[float] = []
     for p, r_lp in zip(ro.prompt_ids, ro.rollout_logprobs):
         lp += [0.0] * len(p) + [min(x, 0.0) for x in r_lp]
@@ -212,8 +210,8 @@ def build_batch(ro: Rollouts, step: int) -> PackedBatch:
         truncated=torch.tensor(ro.truncated, dtype=torch.bool),
         rollout_logprobs=torch.tensor(lp, dtype=torch.float32),
     )
-    if ro.turn_spans:  # multi-turn episodes: observations out of the loss, the turn structure kept
-        apply_episode_structure(batch, ro.response_masks, ro.turn_spans)
+    if ro.turn_spans:  # several answers per sample: environment text out of the loss, spans kept
+        apply_answer_masks(batch, ro.response_masks, ro.turn_spans)
     if any(ro.turn_rewards):  # the environment's reward after each of its steps: [B, S], 0-padded
         S = max(len(r) for r in ro.turn_rewards)
         tr = torch.zeros(B, S, dtype=torch.float64)

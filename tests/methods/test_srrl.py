@@ -103,9 +103,9 @@ def _episodes(spec, seed=0):
         masks.append(m)
         gids.append(gid)
     b = from_sequences(prompts, resps, gids, rewards=[r2 for _, _, r2, _ in spec])
-    from megarl.trainer.rollouts import apply_episode_structure
+    from megarl.trainer.rollouts import apply_answer_masks
 
-    apply_episode_structure(b, masks, spans)
+    apply_answer_masks(b, masks, spans)
     b.extras = {
         "review_r1": torch.tensor([s[1] for s in spec], dtype=torch.float64),
         "review_r2": torch.tensor([s[2] for s in spec], dtype=torch.float64),

@@ -28,7 +28,7 @@ from megarl.rewards.shaping.reward_floor import words
 from megarl.rollout.workflow import RetryTask
 from megarl.trainer.config import ConfigError, from_dict
 from megarl.trainer.method_runtime import MethodRuntime, required_inputs
-from megarl.trainer.rollouts import apply_episode_structure
+from megarl.trainer.rollouts import apply_answer_masks
 from tests.methods.test_family2_trainer import QUICKSTART, spliced
 
 BASE = yaml.safe_load(QUICKSTART.read_text())
@@ -310,12 +310,12 @@ def test_episode_structure_masks_observations():
         [(0, 7, "prompt"), (7, 8, "assistant")],
         [(0, 6, "prompt"), (6, 8, "assistant")],
     ]
-    apply_episode_structure(b, masks, spans)
+    apply_answer_masks(b, masks, spans)
     assert b.loss_mask[7:13].tolist() == masks[0] and b.turn_spans == spans
     MethodInputs(from_dict(spliced("gigpo"))).fill_batch(b, tok, ["321"] * 3, {})
     assert (b.extras["step_state_keys"] >= 0).sum(1).tolist() == [2, 1, 1]
     with pytest.raises(ValueError, match="sequence 1: response mask has 2 entries"):
-        apply_episode_structure(b, [masks[0], [1.0, 1.0], masks[2]], spans)
+        apply_answer_masks(b, [masks[0], [1.0, 1.0], masks[2]], spans)
 
 
 def test_teacher_needs_a_checkpoint_with_the_policy_vocabulary(tmp_path):
