@@ -223,6 +223,23 @@ def run_baseline(steps: int, threads: int, work: Path) -> dict:
     return res
 
 
+def plain_update(model, opt, logits, targets, adv, mask, clip_low: float, clip_high: float, max_norm: float):
+    """One on-policy clipped-PPO update of a plain PyTorch loop: ``logits`` [B, R, V] of ``targets``
+    [B, R] (old logprobs = the current ones, detached), token-mean over ``mask``, backward, gradient
+    clipping, the optimizer's step; returns the loss."""
+    import torch
+
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())
+    pg = -torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    loss = (pg * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    return loss
+
+
 def baseline_worker(out_path: str, steps: int, threads: int) -> None:
     """GRPO on the task with transformers + torch only; writes the per-step timings as JSON."""
     import torch
@@ -269,14 +286,7 @@ def baseline_worker(out_path: str, steps: int, threads: int) -> None:
         t1 = time.time()
         model.train()
         logits = model(seqs).logits[:, P - 1 : -1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
-        ratio = torch.exp(logp - logp.detach())  # old = new: one on-policy update per batch
-        pg = -torch.min(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
-        loss = (pg * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        plain_update(model, opt, logits, resp, adv, mask, CLIP, CLIP, 1.0)  # one on-policy update per batch
         times.append({"time/rollout": t_gen, "time/train": time.time() - t1, "time/step": time.time() - t0})
         cpu.append(time.process_time() - c0)
     later = times[1:] or times
@@ -376,15 +386,7 @@ def train_step_worker(out_path: str, reps: int, threads: int) -> None:
 
     def plain() -> float:
         logits = model(ids).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
-        ratio = torch.exp(logp - logp.detach())  # on-policy: old = current, detached
-        pg = -torch.min(ratio * pa, ratio.clamp(1 - clip_low, 1 + clip_high) * pa)
-        loss = (pg * pm).sum() / pm.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
-        opt.step()
-        return float(loss)
+        return float(plain_update(model, opt, logits, tgt, pa, pm, clip_low, clip_high, o.clip_grad))
 
     def plain_outside_mode() -> float:  # the CPU shims' torch-function mode is megarl's cost only
         mode = _get_current_function_mode()

@@ -41,6 +41,12 @@ _FORWARD_PARAMS = (
 )
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    """Whether the installed torch is ``major.minor`` or newer."""
+    have = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    return have >= (major, minor)
+
+
 def varlen_supported() -> bool:
     """Whether the installed megatron-core's ``DotProductAttention.forward`` has the signature this
     module overrides and torch's SDPA takes ``scale`` (torch >= 2.1); otherwise the dense mask path
@@ -48,8 +54,7 @@ def varlen_supported() -> bool:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     params = tuple(inspect.signature(DotProductAttention.forward).parameters)[1:]
-    major, minor = (int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
-    return params == _FORWARD_PARAMS and (major, minor) >= (2, 1)
+    return params == _FORWARD_PARAMS and _torch_at_least(2, 1)
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,7 @@ def _cached_plan(cu_seqlens: torch.Tensor) -> SegmentPlan:
 @cache
 def _sdpa_gqa() -> bool:
     """Whether torch's SDPA takes ``enable_gqa`` (torch >= 2.5): grouped-query heads without copies."""
-    major, minor = (int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
-    return (major, minor) >= (2, 5)
+    return _torch_at_least(2, 5)
 
 
 def varlen_attention(

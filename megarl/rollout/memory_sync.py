@@ -84,10 +84,15 @@ def bucket_header(bucket: Bucket) -> bytes:
     ).encode()
 
 
+def url_host(server_url: str) -> str:
+    """The host part of a server URL ("http://[::1]:8000/v1" -> "::1")."""
+    return server_url.split("://")[-1].split("/")[0].rsplit(":", 1)[0].strip("[]")
+
+
 def channel_host(server_url: str) -> str:
     """The address the server's workers reach the trainer at: loopback for a local server, else
     this host's name."""
-    host = server_url.split("://")[-1].split("/")[0].rsplit(":", 1)[0].strip("[]")
+    host = url_host(server_url)
     return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.getfqdn()
 
 
@@ -97,9 +102,9 @@ def sglang_workers(info: dict, server_url: str) -> list[dict]:
     (``base_gpu_id + rank * gpu_id_step`` read with this process's device numbering, so a server
     started under another ``CUDA_VISIBLE_DEVICES`` is not recognised as sharing a GPU)."""
     device = str(info.get("device", "cuda"))
-    url_host = server_url.split("://")[-1].split("/")[0].rsplit(":", 1)[0].strip("[]")
-    local = channel_host(server_url) == "127.0.0.1" or url_host in (socket.gethostname(), socket.getfqdn())
-    host = socket.gethostname() if local else url_host
+    server_host = url_host(server_url)
+    local = channel_host(server_url) == "127.0.0.1" or server_host in (socket.gethostname(), socket.getfqdn())
+    host = socket.gethostname() if local else server_host
     base, step = int(info.get("base_gpu_id", 0)), int(info.get("gpu_id_step", 1))
     workers = []
     for rank in range(int(info.get("tp_size", 1))):

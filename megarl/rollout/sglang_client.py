@@ -35,6 +35,7 @@ from megarl.rollout.types import (
     RolloutError,
     Sample,
     WeightsDirError,
+    check_weight_sync_backend,
 )
 from megarl.rollout.weights import check_weights_dir
 
@@ -74,11 +75,7 @@ class SGLangEngine(HttpEngine):
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
-        if weight_sync_backend not in (None, "gloo", "nccl"):
-            raise ValueError(
-                f"weight_sync_backend must be None, 'gloo' or 'nccl', got {weight_sync_backend!r}"
-            )
-        self.weight_sync_backend = weight_sync_backend
+        self.weight_sync_backend = check_weight_sync_backend(weight_sync_backend)
         self.return_text_in_logprobs = return_text_in_logprobs
         self._reference_names = (
             check_weights_dir(reference_weights_dir) if reference_weights_dir is not None else None
@@ -233,19 +230,18 @@ class SGLangEngine(HttpEngine):
                 out = await self.request("POST", "/update_weights_from_disk", json_body=body, admin=True)
                 break
             except BadRequestError as e:
-                if UNFLUSHED in str(e) and time.monotonic() < deadline:
-                    # the weights loaded but a request the server had just answered still counted as
-                    # running, so the flush (and the call) failed: load again once it has retired
-                    await asyncio.sleep(0.2)
-                    continue
-                if UNFLUSHED in str(e):
+                if UNFLUSHED not in str(e):
+                    raise WeightsDirError(
+                        f"{self.name}: server refused the weights at {path}; it keeps the old weights ({e})"
+                    ) from e
+                if time.monotonic() >= deadline:
                     raise RolloutError(
                         f"{self.name}: the weights at {path} were loaded but the cache of the old ones "
                         f"could not be flushed in {UNFLUSHED_RETRY_S:.0f} s (requests kept running): {e}"
                     ) from e
-                raise WeightsDirError(
-                    f"{self.name}: server refused the weights at {path}; it keeps the old weights ({e})"
-                ) from e
+                # the weights loaded but a request the server had just answered still counted as
+                # running, so the flush (and the call) failed: load again once it has retired
+                await asyncio.sleep(0.2)
         if not (isinstance(out, dict) and out.get("success")):
             raise WeightsDirError(f"{self.name}: weight update from {path} failed: {out}")
         if version is not None:
@@ -271,7 +267,6 @@ class SGLangEngine(HttpEngine):
         weights and version (the error is re-raised); a failure after that (weights partly new,
         group broken, server gone) marks the engine dead and raises ``EngineDeadError``.
         """
-
         if self._reference_names is not None:
             missing = sorted(self._reference_names - set(names))
             unknown = sorted(set(names) - self._reference_names)
@@ -314,7 +309,6 @@ class SGLangEngine(HttpEngine):
     async def _flush_after_sync(self, wait_s: float = 30.0) -> None:
         """Drop the cache the old weights computed; SGLang refuses while requests (another
         client's) still run, so retry for ``wait_s``."""
-
         deadline = time.monotonic() + wait_s
         while not await self.flush_cache():
             if time.monotonic() > deadline:
@@ -475,7 +469,6 @@ async def _together(call, transfer) -> None:
     """Run an HTTP call and the matching group transfer together. If one fails the other is not
     awaited: the transfer's thread waits for its peer until the group's timeout, and its error,
     if any, is dropped."""
-
     tasks = [asyncio.ensure_future(call), asyncio.ensure_future(transfer)]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     for t in tasks:

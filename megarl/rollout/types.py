@@ -133,3 +133,11 @@ def validate_prompt_ids(
                 f"max_model_len={max_model_len}"
             )
     return ids
+
+
+def check_weight_sync_backend(value: str | None) -> str | None:
+    """A client's ``weight_sync_backend`` argument, checked: None (follow the server's device),
+    "gloo" or "nccl"."""
+    if value not in (None, "gloo", "nccl"):
+        raise ValueError(f"weight_sync_backend must be None, 'gloo' or 'nccl', got {value!r}")
+    return value

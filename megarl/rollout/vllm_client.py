@@ -22,6 +22,7 @@ from megarl.rollout.types import (
     GenerateResult,
     RolloutError,
     Sample,
+    check_weight_sync_backend,
 )
 from megarl.rollout.weights import check_weights_dir
 
@@ -69,12 +70,8 @@ class VLLMEngine(HttpEngine):
     ):
         kw.setdefault("name", f"vllm@{base_url.split('://')[-1].rstrip('/')}")
         super().__init__(base_url, **kw)
-        if weight_sync_backend not in (None, "gloo", "nccl"):
-            raise ValueError(
-                f"weight_sync_backend must be None, 'gloo' or 'nccl', got {weight_sync_backend!r}"
-            )
         self.model = model
-        self.weight_sync_backend = weight_sync_backend
+        self.weight_sync_backend = check_weight_sync_backend(weight_sync_backend)
         self._channel_plan_cache: tuple[int, str] | None = None
         self._reference_names = (
             check_weights_dir(reference_weights_dir) if reference_weights_dir is not None else None
