@@ -309,11 +309,8 @@ class SGLangEngine(HttpEngine):
     async def _flush_after_sync(self, wait_s: float = 30.0) -> None:
         """Drop the cache the old weights computed; SGLang refuses while requests (another
         client's) still run, so retry for ``wait_s``."""
-        deadline = time.monotonic() + wait_s
-        while not await self.flush_cache():
-            if time.monotonic() > deadline:
-                raise RolloutError(f"the cache of the old weights could not be flushed in {wait_s:.0f} s")
-            await asyncio.sleep(0.2)
+        if not await self.flush_cache(wait_s):
+            raise RolloutError(f"the cache of the old weights could not be flushed in {wait_s:.0f} s")
 
     async def _control(self, path: str, body: dict, timeout_s: float = 3600.0) -> dict:
         """One admin call that answers ``{"success": ..., "message": ...}``; raises on failure."""
@@ -432,13 +429,19 @@ class SGLangEngine(HttpEngine):
                 await self.request("POST", "/abort_request", json_body={"rid": sample_rid}, admin=True)
         return len(ids)
 
-    async def flush_cache(self) -> bool:
-        """``/flush_cache``; False when the server refuses (requests running or paused in place)."""
-        try:
-            await self.request("POST", "/flush_cache", admin=True, expect_json=False)
-            return True
-        except BadRequestError:
-            return False
+    async def flush_cache(self, wait_s: float = 0.0) -> bool:
+        """``/flush_cache``; False when the server refuses (requests running or paused in place),
+        after asking again for ``wait_s`` (SGLang answers a request's last tokens before its
+        scheduler retires it, so a flush right after a generate can be refused for a moment)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                await self.request("POST", "/flush_cache", admin=True, expect_json=False)
+                return True
+            except BadRequestError:
+                if time.monotonic() >= deadline:
+                    return False
+            await asyncio.sleep(0.1)
 
     async def health(self, generate: bool = False) -> bool:
         """``/health`` (or ``/health_generate``, which runs a one-token generation)."""

@@ -58,18 +58,6 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def _flushed(eng, timeout_s: float = 10.0) -> bool:
-    """``flush_cache`` once the server has retired the requests already answered: SGLang sends a
-    request's last tokens before its scheduler drops it from the running batch, so a flush right
-    after a generate can be refused ("#running-req: 1"; seen once under load)."""
-    deadline = time.monotonic() + timeout_s
-    while not await eng.flush_cache():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.1)
-    return True
-
-
 async def _started(eng, *rids: str, timeout_s: float = 60.0) -> None:
     """Wait until the requests ``rids`` are in flight at the client (their HTTP calls have been
     sent), then 1 s for the server to schedule them and decode a few tokens. Requests meant to be
@@ -163,7 +151,7 @@ def test_live_greedy_reload_revert_and_failed_update(sglang_server, tiny_models,
 def test_live_flush_and_pause_modes(sglang_server):
     async def go():
         async with sglang_server.client() as eng:
-            assert await _flushed(eng)
+            assert await eng.flush_cache(wait_s=10.0)
             # in place: the running request is frozen, flush is refused, then it finishes whole
             t = asyncio.ensure_future(
                 eng.generate(
@@ -392,7 +380,7 @@ def test_live_trainer_engine_keys_and_vocabulary_guard(sglang_server, monkeypatc
             ok = (await eng.generate(PROMPT, 1, GREEDY)).samples[0]
             with pytest.raises(BadRequestError, match="1024"):
                 await eng.generate([5, 1024, 7])
-            assert await _flushed(eng)  # the admin key reaches a control route
+            assert await eng.flush_cache(wait_s=10.0)  # the admin key reaches a control route
             return ok
         finally:
             await eng.close()
@@ -490,7 +478,7 @@ def test_live_trainer_engine_key_sources(sglang_server, tiny_models, tmp_path, m
     async def flush(r: RolloutConfig) -> bool:
         eng = connect_servers(r, log=lambda *_: None, vocab_size=sglang_server.vocab_size)
         try:
-            return await _flushed(eng)
+            return await eng.flush_cache(wait_s=10.0)
         finally:
             await eng.close()
 
