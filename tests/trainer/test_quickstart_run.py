@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -119,26 +118,21 @@ def test_short_run_writes_its_outputs(reference_run):
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(reference_run):
     tmp, ref_dir, _ = reference_run
     run_dir = tmp / "killed"
-    args = overrides(tmp, run_dir, steps=3)
-    proc = subprocess.Popen(
+    # a step hook SIGKILLs the run's process group inside step 3 (after its update, before its
+    # checkpoint): a sleep-then-kill lands too late when the steps take a fraction of a second
+    args = overrides(tmp, run_dir, steps=3) + ["method.import=tests.trainer.killing_hook:SPEC"]
+    proc = subprocess.run(
         train_cmd(args),
         cwd=ROOT,
-        env=env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        env=dict(env(), MEGARL_TEST_KILL_AT_STEP="3"),
+        capture_output=True,
+        text=True,
+        timeout=480,
         start_new_session=True,
     )
-    try:
-        deadline = time.time() + 480
-        while not (run_dir / "checkpoints" / "step_000002" / "trainer.json").exists():
-            assert proc.poll() is None, "the run ended before its first checkpoint"
-            assert time.time() < deadline, "no checkpoint within 480 s"
-            time.sleep(0.2)
-        time.sleep(0.2)  # into step 3 (which ends with an eval and a checkpoint: seconds)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert not (run_dir / "checkpoints" / "step_000003").exists(), "killed too late to test a resume"
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step_000002" / "trainer.json").exists()
+    assert not (run_dir / "checkpoints" / "step_000003").exists()
     p = run(args)
     assert "resumed from" in p.stdout and "step_000002 (step 2)" in p.stdout
     ref, got = metrics(ref_dir), metrics(run_dir)
