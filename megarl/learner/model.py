@@ -6,10 +6,12 @@ fp32, every fusion off. With Transformer Engine and CUDA: the TE layer spec and 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
@@ -311,7 +313,8 @@ def layer_spec(config, spec: ModelSpec, groups: ParallelGroups):
     local = _with_gated_mlp(
         gls.get_gpt_layer_local_spec(
             num_experts=None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"
-        )
+        ),
+        groups.pg_collection.tp,
     )
     return _with_varlen_attention(local) if cpu_varlen() else local
 
@@ -347,8 +350,10 @@ def gated_mlp_class() -> type:
     return GatedMLP
 
 
-def _with_gated_mlp(layer):
-    """A local layer spec whose dense MLP is ``GatedMLP`` (``gated_mlp_class``)."""
+def _with_gated_mlp(layer, tp_group):
+    """A local layer spec whose dense MLP is ``GatedMLP`` (``gated_mlp_class``) on ``tp_group``:
+    megatron's layer passes its TP group to its own ``MLP`` only, so the spec's params carry it
+    (else the MLP would take parallel_state's global group)."""
     from dataclasses import replace
 
     from megatron.core.transformer.mlp import MLP
@@ -356,7 +361,26 @@ def _with_gated_mlp(layer):
     mlp = layer.submodules.mlp
     if getattr(mlp, "module", None) is not MLP:
         return layer
-    return replace(layer, submodules=replace(layer.submodules, mlp=replace(mlp, module=gated_mlp_class())))
+    params = {**(mlp.params or {}), "tp_group": tp_group}
+    gated = replace(mlp, module=gated_mlp_class(), params=params)
+    return replace(layer, submodules=replace(layer.submodules, mlp=gated))
+
+
+@contextlib.contextmanager
+def _without_unknown_mlp_notice() -> Iterator[None]:
+    """Drop megatron's "Unknown MLP type ... Using default kwargs" log line while a model is built:
+    its layer says it for every MLP class but its own, once per layer; the only other class megarl's
+    specs use is ``GatedMLP``, whose TP group comes through the spec (``_with_gated_mlp``)."""
+    log = logging.getLogger("megatron.core.transformer.transformer_layer")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type: ")
+
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 def _with_varlen_attention(layer):
@@ -417,19 +441,20 @@ def build_gpt_model(
         perform_initialization=perform_initialization,
         routing_replay=routing_replay,
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config, spec, groups),
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
-        parallel_output=True,
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
-        pg_collection=groups.pg_collection,
-    )
+    with _without_unknown_mlp_notice():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, spec, groups),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=groups.is_first_stage,
+            post_process=groups.is_last_stage,
+            parallel_output=True,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+            pg_collection=groups.pg_collection,
+        )
     model.to(groups.device)
     model.megarl_spec = spec
     return model

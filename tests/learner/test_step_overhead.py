@@ -167,18 +167,25 @@ def test_deferred_compile_calls_the_real_one_at_first_use():
     assert made[-1] == {"mode": "max-autotune"}
 
 
-def test_gated_mlp_gives_megatron_mlp_numbers():
+def test_gated_mlp_gives_megatron_mlp_numbers(caplog):
+    import logging
     import types
 
     from megatron.core.transformer.mlp import MLP
 
     from megarl.learner.forward import packed_inputs, run_model
-    from megarl.learner.model import build_gpt_model
+    from megarl.learner.model import build_gpt_model, layer_spec
 
     torch.manual_seed(0)
-    model = build_gpt_model(HF, initialize_parallel(ParallelLayout()))
+    groups = initialize_parallel(ParallelLayout())
+    with caplog.at_level(logging.WARNING):
+        model = build_gpt_model(HF, groups)
+    assert not [r for r in caplog.records if "Unknown MLP type" in r.getMessage()]
     mlps = [layer.mlp for layer in model.decoder.layers]
     assert all(type(m).__name__ == "GatedMLP" for m in mlps)
+    # its TP group comes from the spec (megatron's layer passes one to its own MLP class only)
+    local = layer_spec(model.config, model.megarl_spec, groups)
+    assert local.submodules.mlp.params["tp_group"] is groups.pg_collection.tp
     tokens, cu = torch.randint(0, VOCAB, (13,)), torch.tensor([0, 6, 13])
 
     def run():
