@@ -12,6 +12,7 @@ from megarl.rollout.embedded import EmbeddedEngine, teacher_forced_logprobs
 from megarl.rollout.environments import GuessingGame, episodes_to_batch, run_episode
 from megarl.rollout.types import BadRequestError, EngineDeadError, SamplingParams, WeightsDirError
 from tests.rollout.conftest import PROMPT
+from tests.rollout.decoding import until_decoding
 from tests.rollout.hf_reference import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
@@ -110,9 +111,7 @@ def test_abort_returns_partial_output_and_pause_holds_requests(tiny_models):
                 PROMPT, sampling=SamplingParams(max_new_tokens=2000 - 20, ignore_eos=True), request_id="long"
             )
         )
-        while "long" not in eng._abort_flags:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
+        await until_decoding(eng, "long")  # a token or more, far from its 1980
         assert await eng.abort("long") == 1
         aborted = (await long).samples[0]
         await eng.pause()
@@ -154,7 +153,7 @@ def test_shutdown_fails_in_flight_and_later_requests(tiny_models):
         t = asyncio.ensure_future(
             eng.generate(PROMPT, sampling=SamplingParams(max_new_tokens=1500, ignore_eos=True))
         )
-        await asyncio.sleep(0.3)
+        await until_decoding(eng)
         eng.shutdown("test kill")
         with pytest.raises(EngineDeadError, match="test kill"):
             await t

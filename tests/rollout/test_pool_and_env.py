@@ -15,6 +15,7 @@ from megarl.rollout.pool import BatchItem, EnginePool, PartialRolloutError
 from megarl.rollout.types import BadRequestError, NoHealthyEngineError, SamplingParams, WeightsDirError
 from megarl.rollout.weights import check_weights_dir
 from tests.rollout.conftest import PROMPT
+from tests.rollout.decoding import until_decoding
 
 
 def run(coro):
@@ -65,9 +66,7 @@ def test_dead_engine_marked_down_and_requests_retried(three_engines):
             for i in range(6)
         ]
         task = asyncio.ensure_future(pool.generate_batch(items))
-        while e0.outstanding == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
+        await until_decoding(e0)  # a token into its 300
         e0.shutdown("killed by test")  # its in-flight requests fail at their next decode step
         return await task
 
