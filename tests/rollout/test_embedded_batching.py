@@ -14,6 +14,7 @@ from megarl.rollout.embedded import EmbeddedEngine
 from megarl.rollout.sampling import sample_next
 from megarl.rollout.types import GenerateRequest, SamplingParams
 from tests.rollout.conftest import PROMPT
+from tests.rollout.decoding import tokens_sampled
 from tests.rollout.hf_reference import hf_greedy
 
 
@@ -128,7 +129,11 @@ def test_concurrent_requests_equal_one_at_a_time_and_abort_leaves_the_rest(tiny_
         while any(steps().get(f"r{i}", 0) < 5 for i in range(3)):
             await asyncio.sleep(0.005)
         assert await eng.abort("r1") == 1
-        await asyncio.sleep(0.05)
+        cut = max(len(s.token_ids) for s in (await long[1]).samples)  # r1 has left the batch
+        while all(tokens_sampled(eng, f"r{i}") for i in (0, 2)) and any(
+            tokens_sampled(eng, f"r{i}") <= cut for i in (0, 2)
+        ):  # until the other two have decoded past r1 (or left the batch, which the asserts catch)
+            await asyncio.sleep(0.002)
         await eng.abort()
         return alone, together, await asyncio.gather(*long)
 
@@ -150,6 +155,16 @@ def test_a_weight_load_waits_for_the_batch_and_later_requests_get_the_new_weight
     state = load_file(str(tiny_models["v2"] / "model.safetensors"))
     greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 
+    go_on = threading.Event()
+
+    def hold(module, args, kw):
+        """A decode step of the two first requests waits, letting go of the engine lock, until
+        ``go_on``: the load starts draining and ``later`` is queued while they surely run."""
+        if kw["input_ids"].shape[1] == 1 and len(eng._batcher.active) == 2 and not go_on.is_set():
+            deadline = time.monotonic() + 60
+            while not go_on.is_set() and time.monotonic() < deadline:
+                eng._lock.wait(0.005)
+
     async def go():
         first = [asyncio.ensure_future(eng.generate(PROMPT, n=2, sampling=sp_of(i, 60))) for i in range(2)]
         while len(eng._batcher.active) < 2:
@@ -158,10 +173,18 @@ def test_a_weight_load_waits_for_the_batch_and_later_requests_get_the_new_weight
         while not eng._draining:
             await asyncio.sleep(0.005)
         later = asyncio.ensure_future(eng.generate(PROMPT, sampling=greedy))
+        while not eng._batcher.pending:  # queued behind the load, not admitted
+            await asyncio.sleep(0.005)
+        go_on.set()
         await load
         return await asyncio.gather(*first), await later
 
-    first, later = asyncio.run(go())
+    hook = eng.model.register_forward_pre_hook(hold, with_kwargs=True)
+    try:
+        first, later = asyncio.run(go())
+    finally:
+        go_on.set()
+        hook.remove()
     assert all(s.weight_version == "0" and len(s.token_ids) == 60 for r in first for s in r.samples)
     assert later.samples[0].weight_version == "7"
     assert later.samples[0].token_ids == hf_greedy(str(tiny_models["v2"]), PROMPT, 16)
