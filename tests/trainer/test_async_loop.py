@@ -20,7 +20,7 @@ import dataclasses
 import json
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -139,18 +139,39 @@ def make_trainer(partial: str, tmp: Path) -> _Trainer:
     return _Trainer(source)
 
 
-def update_while_in_flight(t: _Trainer) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Wait until the engine is decoding, then swap in new random weights as version 1 (the way the
-    trainer's weight sync does it); returns (model v0, model v1)."""
+class HoldStepTwo:
+    """Stops the engine's batch thread in a decode step of step 2's batch once its requests have
+    sampled ``tokens`` tokens (``held`` is set then) until ``release()``: a weight update made
+    meanwhile finds them in flight a few tokens in, however fast or slow the model decodes.
+    Made before the producer starts."""
+
+    def __init__(self, t: _Trainer, tokens: int = 3):
+        self.held, self._go_on = threading.Event(), threading.Event()
+        engine, producer, held, go_on = t.engine, t.producer, self.held, self._go_on
+
+        def hook(module, args, kw):
+            if held.is_set() or kw["input_ids"].shape[1] != 1 or producer.next_step != 2:
+                return
+            if min((job.steps for job in list(engine._batcher.active)), default=0) >= tokens:
+                held.set()
+                go_on.wait(60)
+
+        self._handle = engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def release(self) -> None:
+        self._handle.remove()
+        self._go_on.set()
+
+
+def update_while_in_flight(t: _Trainer, hold: HoldStepTwo) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Once step 2's requests are held in flight, swap in new random weights as version 1 the way
+    the trainer's weight sync does it; returns (model v0, model v1)."""
     engine = t.engine
-    deadline = time.time() + 60
-    while not engine._abort_flags:  # a request is inside the decode loop
-        assert time.time() < deadline, "no request in flight"
-        time.sleep(0.002)
-    time.sleep(0.02)  # a few tokens into it
+    assert hold.held.wait(60), "no request of step 2 in flight"
+    t.loop.run_until_complete(t.producer.before_update())  # aborts them (flags only: no engine lock)
+    hold.release()  # they leave the batch with the tokens they have
     old = copy.deepcopy(engine.model)
     new_state = {k: v + 0.5 * torch.randn_like(v) for k, v in old.state_dict().items()}
-    t.loop.run_until_complete(t.producer.before_update())
     t.loop.run_until_complete(engine.update_weights_from_tensors(new_state, "1"))
     t.loop.run_until_complete(t.producer.after_update(1))
     return old, engine.model
@@ -172,11 +193,12 @@ def per_token_source(ro, i, m0, m1) -> list[int]:
 @pytest.mark.parametrize("partial", ["abort", "continue"])
 def test_weight_update_mid_rollout(partial, tmp_path):
     t = make_trainer(partial, tmp_path)
+    hold = HoldStepTwo(t)
     try:
         t._start_producer(step=1)
         ro1, _ = t._rollout(1)  # version 0 throughout
         assert set(ro1.versions) == {0}
-        m0, m1 = update_while_in_flight(t)  # step 2's batch is being generated (max_staleness=1)
+        m0, m1 = update_while_in_flight(t, hold)  # step 2's batch is being generated (max_staleness=1)
         ro2, st = t._rollout(2)
         c = st["async"]
         assert c["async/aborted_requests_total"] >= 1
@@ -199,6 +221,7 @@ def test_weight_update_mid_rollout(partial, tmp_path):
             assert c["async/resubmitted_groups_total"] >= 1 and mixed == 0
             assert 1 in ro2.versions
     finally:
+        hold.release()
         t.loop.run_until_complete(t.producer.stop())
         t.loop.close()
 
