@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 LOGPROB_ATOL = 1e-3  # fp32 server (torch_native attention) vs fp32 transformers recomputation
 LONG = 1000  # tokens of a request meant to be cut by an abort or a pause (prompt + LONG < 1024)
+MIN_DECODED = 4  # new tokens each such request has before the test acts on it
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +59,28 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def _started(eng, *rids: str, timeout_s: float = 60.0) -> None:
-    """Wait until the requests ``rids`` are in flight at the client (their HTTP calls have been
-    sent), then 1 s for the server to schedule them and decode a few tokens. Requests meant to be
-    running after that ask for LONG tokens: on a quiet 2-core machine the CPU server decodes
-    about 300 steps/s, so a few hundred tokens can be done before the 1 s is over."""
+async def _started(eng, *rids: str, samples: int | None = None, timeout_s: float = 60.0) -> None:
+    """Wait until the requests ``rids`` are decoding on the server: their HTTP calls sent, and the
+    server's ``/v1/loads`` reporting ``samples`` sequences running (default: one per rid; SGLang
+    runs each of a request's n samples as its own) whose KV cache holds the prompt and at least
+    MIN_DECODED new tokens per sequence. Waiting on the server's own report instead of a fixed
+    time keeps the LONG requests far from done when a test acts, however fast the server."""
+    samples = len(rids) if samples is None else samples
     deadline = time.monotonic() + timeout_s
     while not all(rid in eng._inflight for rid in rids):
         assert time.monotonic() < deadline, f"requests {rids} never started"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(1.0)
+        await asyncio.sleep(0.02)
+    want = len(PROMPT) + samples * MIN_DECODED
+    while True:
+        loads = (await eng.request("GET", "/v1/loads"))["loads"]
+        running = sum(x["num_running_reqs"] for x in loads)
+        used = sum(x["num_used_tokens"] for x in loads)
+        if running >= samples and used >= want:
+            return
+        assert time.monotonic() < deadline, (
+            f"{rids}: {running} running, {used} tokens in use after {timeout_s} s"
+        )
+        await asyncio.sleep(0.02)
 
 
 def test_live_samples_logprobs_and_version_label(sglang_server, tiny_models):
@@ -192,7 +205,7 @@ def test_live_abort_by_request_id(sglang_server, n):
             sp = SamplingParams(max_new_tokens=LONG, ignore_eos=True)
             t0 = time.monotonic()
             t = asyncio.ensure_future(eng.generate(PROMPT, n, sp, request_id=f"cut-{n}"))
-            await _started(eng, f"cut-{n}")
+            await _started(eng, f"cut-{n}", samples=n)
             await eng.abort(f"cut-{n}")
             r = await asyncio.wait_for(t, 60)
             return r, time.monotonic() - t0
@@ -215,7 +228,7 @@ def test_live_abort_cuts_only_the_named_request(sglang_server):
             sp = SamplingParams(max_new_tokens=LONG, ignore_eos=True)
             victim = asyncio.ensure_future(eng.generate(PROMPT, 1, sp, request_id="p-1"))
             other = asyncio.ensure_future(eng.generate(PROMPT, 2, sp, request_id="p-10"))
-            await _started(eng, "p-1", "p-10")
+            await _started(eng, "p-1", "p-10", samples=3)
             await eng.abort("p-1")
             cut = (await victim).samples
             await asyncio.sleep(0.5)
