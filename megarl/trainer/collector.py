@@ -29,7 +29,7 @@ from megarl.trainer.rollouts import CollectedBatch, GroupRecord, SampleRecord
 
 
 class LockedRewards:
-    """A ``RewardComputer`` shared by threads (the producer, evaluation, per-answer scoring): one call
+    """A ``RewardComputer`` shared by threads (the producer, evaluation, a workflow's score calls): one call
     at a time (contained reward functions talk to one worker process over a pipe)."""
 
     def __init__(self, inner):
