@@ -212,8 +212,9 @@ class SGLangEngine(HttpEngine):
         """Reload weights from a directory on the server's disk. SGLang keeps serving the old
         weights when the reload fails, so a failure raises ``WeightsDirError`` and the engine stays up.
         A reload whose cache flush SGLang refused (a request it had just answered still counted as
-        running) changed the weights: it is loaded again until the flush goes through, for up to
-        ``UNFLUSHED_RETRY_S`` (then ``RolloutError``, not ``WeightsDirError``).
+        running) changed the weights but not the version label: the cache is flushed (asking again
+        for up to ``UNFLUSHED_RETRY_S``; then ``RolloutError``, not ``WeightsDirError``) and the
+        label set, without loading the weights again.
         ``check_dir=False`` skips the local check (the directory is on another node)."""
         path = str(weights_dir)
         if check_dir:
@@ -224,24 +225,22 @@ class SGLangEngine(HttpEngine):
             body["weight_version"] = version
         if not flush_cache:
             body["flush_cache"] = False
-        deadline = time.monotonic() + UNFLUSHED_RETRY_S
-        while True:
+        try:
+            out = await self.request("POST", "/update_weights_from_disk", json_body=body, admin=True)
+        except BadRequestError as e:
+            if UNFLUSHED not in str(e):
+                raise WeightsDirError(
+                    f"{self.name}: server refused the weights at {path}; it keeps the old weights ({e})"
+                ) from e
+            # the weights loaded, but a request the server had just answered still counted as
+            # running, so the flush was refused and the version label left as it was: do both now
             try:
-                out = await self.request("POST", "/update_weights_from_disk", json_body=body, admin=True)
-                break
-            except BadRequestError as e:
-                if UNFLUSHED not in str(e):
-                    raise WeightsDirError(
-                        f"{self.name}: server refused the weights at {path}; it keeps the old weights ({e})"
-                    ) from e
-                if time.monotonic() >= deadline:
-                    raise RolloutError(
-                        f"{self.name}: the weights at {path} were loaded but the cache of the old ones "
-                        f"could not be flushed in {UNFLUSHED_RETRY_S:.0f} s (requests kept running): {e}"
-                    ) from e
-                # the weights loaded but a request the server had just answered still counted as
-                # running, so the flush (and the call) failed: load again once it has retired
-                await asyncio.sleep(0.2)
+                await self._flush_and_label(version, UNFLUSHED_RETRY_S)
+            except RolloutError as flush_error:
+                raise RolloutError(
+                    f"{self.name}: the weights at {path} were loaded, but {flush_error} ({e})"
+                ) from e
+            return
         if not (isinstance(out, dict) and out.get("success")):
             raise WeightsDirError(f"{self.name}: weight update from {path} failed: {out}")
         if version is not None:
@@ -292,11 +291,7 @@ class SGLangEngine(HttpEngine):
                 await self._control("/end_weight_update", {})
             if digests is not None:
                 await self._verify(digests)
-            await self._flush_after_sync()
-            if version is not None:
-                body = {"new_version": version, "abort_all_requests": False}
-                await self._control("/update_weight_version", body)
-                self.weight_version = version
+            await self._flush_and_label(version)
         except Exception as e:
             if sent == 0 and self.dead_reason is None and not isinstance(e, EngineDeadError):
                 raise  # nothing reached the server: it serves the old weights
@@ -306,11 +301,15 @@ class SGLangEngine(HttpEngine):
         finally:
             await HttpEngine.resume(self)
 
-    async def _flush_after_sync(self, wait_s: float = 30.0) -> None:
-        """Drop the cache the old weights computed; SGLang refuses while requests (another
-        client's) still run, so retry for ``wait_s``."""
+    async def _flush_and_label(self, version: str | None, wait_s: float = 30.0) -> None:
+        """After new weights: drop the cache the old ones computed (SGLang refuses while requests,
+        another client's, still run, so ask again for ``wait_s``), then label the server ``version``."""
         if not await self.flush_cache(wait_s):
             raise RolloutError(f"the cache of the old weights could not be flushed in {wait_s:.0f} s")
+        if version is not None:
+            body = {"new_version": version, "abort_all_requests": False}
+            await self._control("/update_weight_version", body)
+            self.weight_version = version
 
     async def _control(self, path: str, body: dict, timeout_s: float = 3600.0) -> dict:
         """One admin call that answers ``{"success": ..., "message": ...}``; raises on failure."""

@@ -1,8 +1,9 @@
 """SGLang answers a reload from disk with HTTP 400 "Weights were updated, but the cache was not
 flushed ..." when a request it has just answered is still counted as running (seen live, right after
-a generate returned). The weights did change, so the client must not report that the server keeps
-the old ones: it loads again until the flush goes through. A stand-in server answers the reload
-route (the race cannot be staged on demand against a real server)."""
+a generate returned). The weights did change, but the version label did not: the client must not
+report that the server keeps the old weights, and must not load the checkpoint again either; it
+flushes the cache (asking again while SGLang refuses) and sets the label. A stand-in server answers
+the three routes (the race cannot be staged on demand against a real server)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,22 @@ from megarl.rollout.sglang_client import UNFLUSHED, SGLangEngine
 from megarl.rollout.types import RolloutError, WeightsDirError
 
 REFUSED = {"success": False, "message": f"{UNFLUSHED} because requests are still running or queued."}
+OK = {"success": True, "message": "ok"}
+BUSY = {"success": False, "message": "Cache not flushed: requests are running."}
 
 
-def _serve(answers: list[tuple[int, dict]], seen: list[dict]):
-    """A server whose ``/update_weights_from_disk`` gives ``answers`` in order (the last one again)."""
+def _serve(answers: dict[str, list[tuple[int, dict]]], seen: list[tuple[str, dict | None]]):
+    """A server answering each path with its ``answers`` in order (the last one again); ``seen``
+    gets (path, JSON body or None) of every call."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # http.server API name
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            code, body = answers[min(len(seen), len(answers)) - 1]
+            n = int(self.headers.get("Content-Length") or 0)
+            raw_in = self.rfile.read(n) if n else b""
+            seen.append((self.path, json.loads(raw_in) if raw_in else None))
+            calls = sum(1 for p, _ in seen if p == self.path)
+            replies = answers[self.path]
+            code, body = replies[min(calls, len(replies)) - 1]
             raw = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -51,41 +59,62 @@ async def _reload(url: str, version: str) -> SGLangEngine:
     return eng
 
 
-@pytest.mark.parametrize("refusals", [1, 3])
-def test_an_unflushed_reload_is_loaded_again_until_it_flushes(refusals):
-    seen: list[dict] = []
-    ok = {"success": True, "message": "Succeeded to update model weights."}
-    server = _serve([(400, REFUSED)] * refusals + [(200, ok)], seen)
+def _paths(seen: list[tuple[str, dict | None]]) -> list[str]:
+    return [p for p, _ in seen]
+
+
+@pytest.mark.parametrize("busy", [0, 2])
+def test_an_unflushed_reload_is_flushed_and_labelled_without_loading_again(busy):
+    seen: list[tuple[str, dict | None]] = []
+    server = _serve(
+        {
+            "/update_weights_from_disk": [(400, REFUSED)],
+            "/flush_cache": [(400, BUSY)] * busy + [(200, OK)],
+            "/update_weight_version": [(200, OK)],
+        },
+        seen,
+    )
     try:
         eng = asyncio.run(_reload(f"http://127.0.0.1:{server.server_port}", "v2"))
     finally:
         server.shutdown()
     assert eng.weight_version == "v2"
-    assert seen == [{"model_path": "/models/v2", "weight_version": "v2"}] * (refusals + 1)
+    assert _paths(seen) == ["/update_weights_from_disk"] + ["/flush_cache"] * (busy + 1) + [
+        "/update_weight_version"
+    ]
+    assert seen[0][1] == {"model_path": "/models/v2", "weight_version": "v2"}
+    assert seen[-1][1] == {"new_version": "v2", "abort_all_requests": False}
 
 
 def test_a_flush_that_never_goes_through_is_an_error_that_says_the_weights_changed(monkeypatch):
     monkeypatch.setattr(sglang_client, "UNFLUSHED_RETRY_S", 0.5)
-    seen: list[dict] = []
-    server = _serve([(400, REFUSED)], seen)
+    seen: list[tuple[str, dict | None]] = []
+    server = _serve({"/update_weights_from_disk": [(400, REFUSED)], "/flush_cache": [(400, BUSY)]}, seen)
     try:
         with pytest.raises(
-            RolloutError, match="were loaded but the cache of the old ones could not be flushed"
+            RolloutError, match="were loaded, but the cache of the old weights could not be flushed"
         ) as e:
             asyncio.run(_reload(f"http://127.0.0.1:{server.server_port}", "v2"))
     finally:
         server.shutdown()
-    assert not isinstance(e.value, WeightsDirError) and len(seen) >= 2
+    assert not isinstance(e.value, WeightsDirError)
+    assert _paths(seen).count("/update_weights_from_disk") == 1 and _paths(seen).count("/flush_cache") >= 2
+    assert "/update_weight_version" not in _paths(seen)
 
 
 def test_another_refusal_still_keeps_the_old_weights():
-    seen: list[dict] = []
+    seen: list[tuple[str, dict | None]] = []
     server = _serve(
-        [(400, {"success": False, "message": "Failed to get weights iterator: no such path"})], seen
+        {
+            "/update_weights_from_disk": [
+                (400, {"success": False, "message": "Failed to get weights iterator"})
+            ]
+        },
+        seen,
     )
     try:
         with pytest.raises(WeightsDirError, match="keeps the old weights"):
             asyncio.run(_reload(f"http://127.0.0.1:{server.server_port}", "v2"))
     finally:
         server.shutdown()
-    assert len(seen) == 1
+    assert _paths(seen) == ["/update_weights_from_disk"]
