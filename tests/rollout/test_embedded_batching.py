@@ -14,7 +14,7 @@ from megarl.rollout.embedded import EmbeddedEngine
 from megarl.rollout.sampling import sample_next
 from megarl.rollout.types import GenerateRequest, SamplingParams
 from tests.rollout.conftest import PROMPT
-from tests.rollout.decoding import tokens_sampled
+from tests.rollout.decoding import DecodeHold, tokens_sampled
 from tests.rollout.hf_reference import hf_greedy
 
 
@@ -155,15 +155,8 @@ def test_a_weight_load_waits_for_the_batch_and_later_requests_get_the_new_weight
     state = load_file(str(tiny_models["v2"] / "model.safetensors"))
     greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 
-    go_on = threading.Event()
-
-    def hold(module, args, kw):
-        """A decode step of the two first requests waits, letting go of the engine lock, until
-        ``go_on``: the load starts draining and ``later`` is queued while they surely run."""
-        if kw["input_ids"].shape[1] == 1 and len(eng._batcher.active) == 2 and not go_on.is_set():
-            deadline = time.monotonic() + 60
-            while not go_on.is_set() and time.monotonic() < deadline:
-                eng._lock.wait(0.005)
+    # a decode step of the two first requests waits until the load drains and ``later`` is queued
+    hold = DecodeHold(eng, lambda: len(eng._batcher.active) == 2)
 
     async def go():
         first = [asyncio.ensure_future(eng.generate(PROMPT, n=2, sampling=sp_of(i, 60))) for i in range(2)]
@@ -175,16 +168,14 @@ def test_a_weight_load_waits_for_the_batch_and_later_requests_get_the_new_weight
         later = asyncio.ensure_future(eng.generate(PROMPT, sampling=greedy))
         while not eng._batcher.pending:  # queued behind the load, not admitted
             await asyncio.sleep(0.005)
-        go_on.set()
+        hold.release()
         await load
         return await asyncio.gather(*first), await later
 
-    hook = eng.model.register_forward_pre_hook(hold, with_kwargs=True)
     try:
         first, later = asyncio.run(go())
     finally:
-        go_on.set()
-        hook.remove()
+        hold.release()
     assert all(s.weight_version == "0" and len(s.token_ids) == 60 for r in first for s in r.samples)
     assert later.samples[0].weight_version == "7"
     assert later.samples[0].token_ids == hf_greedy(str(tiny_models["v2"]), PROMPT, 16)

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ from megarl.trainer.config import ConfigError, from_dict
 from megarl.trainer.loop import Trainer, trainer_class
 from megarl.trainer.method_runtime import MethodRuntime
 from megarl.trainer.run import Run
+from tests.rollout.decoding import DecodeHold
 
 ROOT = Path(__file__).parents[2]
 HF = {
@@ -139,31 +139,20 @@ def make_trainer(partial: str, tmp: Path) -> _Trainer:
     return _Trainer(source)
 
 
-class HoldStepTwo:
-    """Stops the engine's batch thread in a decode step of step 2's batch once its requests have
-    sampled ``tokens`` tokens (``held`` is set then) until ``release()``: a weight update made
-    meanwhile finds them in flight a few tokens in, however fast or slow the model decodes.
+def hold_step_two(t: _Trainer, tokens: int = 3) -> DecodeHold:
+    """Hold the engine's batch thread in a decode step of step 2's batch once its requests have
+    sampled ``tokens`` tokens: a weight update made meanwhile finds them in flight a few tokens in.
     Made before the producer starts."""
+    engine, producer = t.engine, t.producer
 
-    def __init__(self, t: _Trainer, tokens: int = 3):
-        self.held, self._go_on = threading.Event(), threading.Event()
-        engine, producer, held, go_on = t.engine, t.producer, self.held, self._go_on
+    def when() -> bool:
+        steps = [job.steps for job in list(engine._batcher.active)]
+        return producer.next_step == 2 and min(steps, default=0) >= tokens
 
-        def hook(module, args, kw):
-            if held.is_set() or kw["input_ids"].shape[1] != 1 or producer.next_step != 2:
-                return
-            if min((job.steps for job in list(engine._batcher.active)), default=0) >= tokens:
-                held.set()
-                go_on.wait(60)
-
-        self._handle = engine.model.register_forward_pre_hook(hook, with_kwargs=True)
-
-    def release(self) -> None:
-        self._handle.remove()
-        self._go_on.set()
+    return DecodeHold(engine, when)
 
 
-def update_while_in_flight(t: _Trainer, hold: HoldStepTwo) -> tuple[torch.nn.Module, torch.nn.Module]:
+def update_while_in_flight(t: _Trainer, hold: DecodeHold) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Once step 2's requests are held in flight, swap in new random weights as version 1 the way
     the trainer's weight sync does it; returns (model v0, model v1)."""
     engine = t.engine
@@ -193,7 +182,7 @@ def per_token_source(ro, i, m0, m1) -> list[int]:
 @pytest.mark.parametrize("partial", ["abort", "continue"])
 def test_weight_update_mid_rollout(partial, tmp_path):
     t = make_trainer(partial, tmp_path)
-    hold = HoldStepTwo(t)
+    hold = hold_step_two(t)
     try:
         t._start_producer(step=1)
         ro1, _ = t._rollout(1)  # version 0 throughout
